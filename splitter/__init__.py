@@ -5,8 +5,10 @@ from splitter.errors import (
     SplitterError,
     StageAssignmentError,
     UnknownModelError,
+    UserError,
 )
 from splitter.plan import PIPELINE_INPUT, SplitPlan, plan_split
+from splitter.report import plan_rows, plan_table
 from splitter.split import Reason, UnitSplit, split_units
 from splitter.stages import (
     ModuleLayout,
@@ -31,12 +33,15 @@ __all__ = [
     "Unit",
     "UnitSplit",
     "UnknownModelError",
+    "UserError",
     "assign_stages",
     "layout_from_count",
     "layout_from_fqns",
     "parse_trainable",
     "pipeline_from_dict",
+    "plan_rows",
     "plan_split",
+    "plan_table",
     "split",
     "split_units",
     "unit_from_dict",

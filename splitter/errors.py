@@ -5,8 +5,12 @@ from __future__ import annotations
 import difflib
 
 
-class SplitterError(ValueError):
-    """Base of every splitter error; the CLI turns it into one line and exit code 2."""
+class UserError(Exception):
+    """Bad input from a user (config, data, graph, storage): the CLI prints one line, exits 2."""
+
+
+class SplitterError(UserError, ValueError):
+    """Base of every splitter error."""
 
 
 class PipelineSpecError(SplitterError):

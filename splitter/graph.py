@@ -1,4 +1,4 @@
-"""The data-dependency graph of a unit sequence: edges from the most recent producer, updating chains."""
+"""The data-dependency graph of a unit sequence: most-recent-producer edges, updating chains."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class UnitGraph:
 
 def build_graph(units: Sequence[Unit]) -> UnitGraph:
     """Build edges (Definition 1) and updating chains in one linear pass over the units."""
-    inputs = tuple(tuple(unit.fetch_input_params()) for unit in units)
-    outputs = tuple(tuple(unit.fetch_output_params()) for unit in units)
+    inputs = tuple(unit.inputs for unit in units)
+    outputs = tuple(unit.output_params for unit in units)
     successors: list[list[tuple[int, str]]] = [[] for _ in units]
     last_producer: dict[str, int] = {}
     chains: dict[str, list[int]] = {}

@@ -1,4 +1,4 @@
-"""The split plan: V1/V2 with reasons, boundary params, per-stage model and offload plans, hazards."""
+"""The split plan: V1/V2 with reasons, boundary params, per-stage models and offload, hazards."""
 
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ class SplitPlan:
     models: dict[str, tuple[str, ...]]
     offload: dict[str, tuple[str, ...]]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    unit_order: dict[str, int] = field(default_factory=dict)
+    unit_models: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """The `splitstage plan --format json` object (a stable contract: add keys, never rename)."""
+        """The `splitstage plan --format json` object (stable contract: add keys, never rename)."""
         return {
             "pipeline": self.pipeline,
             "trainable": list(self.trainable),
@@ -90,9 +92,9 @@ def plan_split(pipeline: Pipeline, trainable: str | Iterable[str] | None) -> Spl
                 producer = last_v2_producer.get(param)
                 if producer is not None and producer > index:
                     seen = latest.get(param)
-                    origin = f"'{units[seen].name}'" if seen is not None else "the pipeline input"
+                    origin = f"from unit '{units[seen].name}'" if seen is not None else "as input"
                     warnings.append(
-                        f"V1 unit '{unit.name}' reads '{param}' as written by {origin}, but V2 "
+                        f"V1 unit '{unit.name}' reads '{param}' {origin}, but V2 "
                         f"unit '{units[producer].name}' rewrites it later, so stage 2 sees that "
                         f"later value (DiffSynth-Studio behaves the same); mark "
                         f"'{units[producer].name}' per_step or write a new param name"
@@ -101,12 +103,12 @@ def plan_split(pipeline: Pipeline, trainable: str | Iterable[str] | None) -> Spl
         for param in graph.outputs[index]:
             latest[param] = index
     for param in (*pipeline.model_fn_params, *pipeline.loss_params):
-        need(param)
+        if param not in pipeline.step_params:
+            need(param)
 
     stage1 = _ordered_models(units[i].onload_model_names for i in result.v2)
     stage2 = _ordered_models(
-        [units[i].onload_model_names for i in result.v1]
-        + [pipeline.in_iteration_models, trainable]
+        [units[i].onload_model_names for i in result.v1] + [pipeline.in_iteration_models, trainable]
     )
     everything = sorted(pipeline.model_names())
     return SplitPlan(
@@ -123,6 +125,8 @@ def plan_split(pipeline: Pipeline, trainable: str | Iterable[str] | None) -> Spl
             "stage2": tuple(m for m in everything if m not in stage2),
         },
         warnings=tuple(warnings),
+        unit_order={unit.name: i for i, unit in enumerate(units)},
+        unit_models={unit.name: unit.onload_model_names for unit in units},
     )
 
 

@@ -48,7 +48,9 @@ def layout_from_fqns(fqns: Sequence[str]) -> ModuleLayout:
             "module list: found no repeated layers named '<prefix>.0', '<prefix>.1', ...; "
             "list the layers in order (e.g. blocks.0,blocks.1) or give the stages explicitly"
         )
-    return ModuleLayout(tuple(fqns[: best[0]]), tuple(fqns[best[0] : best[1]]), tuple(fqns[best[1] :]))
+    return ModuleLayout(
+        tuple(fqns[: best[0]]), tuple(fqns[best[0] : best[1]]), tuple(fqns[best[1] :])
+    )
 
 
 def layout_from_count(

@@ -1,4 +1,4 @@
-"""Units and pipelines: DiffSynth-Studio's PipelineUnit fields plus `per_step`, validated on load."""
+"""Units and pipelines: DiffSynth-Studio's PipelineUnit fields plus `per_step`, validated."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ UNIT_FIELDS = (
     "onload_model_names",
     "per_step",
 )
-PIPELINE_FIELDS = ("name", "units", "model_fn_params", "loss_params", "in_iteration_models")
+PIPELINE_FIELDS = (
+    "name",
+    "units",
+    "model_fn_params",
+    "loss_params",
+    "in_iteration_models",
+    "step_params",
+)
 
 
 @dataclass(frozen=True)
@@ -31,13 +38,17 @@ class Unit:
     output_params: tuple[str, ...] = ()
     onload_model_names: tuple[str, ...] = ()
     per_step: bool = False
+    inputs: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
-    def fetch_input_params(self) -> list[str]:
-        """All params read: `input_params` plus posi/nega values, sorted and unique (as DiffSynth)."""
+    def __post_init__(self):
         params = set(self.input_params)
         params.update(self.input_params_posi.values())
         params.update(self.input_params_nega.values())
-        return sorted(params)
+        object.__setattr__(self, "inputs", tuple(sorted(params)))
+
+    def fetch_input_params(self) -> list[str]:
+        """All params read: `input_params` plus posi/nega values, sorted, unique (as DiffSynth)."""
+        return list(self.inputs)
 
     def fetch_output_params(self) -> list[str]:
         """Params written, in declared order (as DiffSynth)."""
@@ -65,6 +76,8 @@ class Pipeline:
     model_fn_params: tuple[str, ...] = ()
     loss_params: tuple[str, ...] = ()
     in_iteration_models: tuple[str, ...] = ()
+    # Made fresh by the training step (noise, timestep), so never cached.
+    step_params: tuple[str, ...] = ()
 
     def __post_init__(self):
         seen: dict[str, int] = {}
@@ -101,12 +114,15 @@ class Pipeline:
             "model_fn_params": list(self.model_fn_params),
             "loss_params": list(self.loss_params),
             "in_iteration_models": list(self.in_iteration_models),
+            "step_params": list(self.step_params),
         }
 
 
 def _where(pipeline: str, unit: str | None, key: str) -> str:
-    return f"pipeline '{pipeline}', unit '{unit}', field '{key}'" if unit else (
-        f"pipeline '{pipeline}', field '{key}'"
+    return (
+        f"pipeline '{pipeline}', unit '{unit}', field '{key}'"
+        if unit
+        else (f"pipeline '{pipeline}', field '{key}'")
     )
 
 
@@ -120,7 +136,9 @@ def _str_list(value: Any, where: str) -> tuple[str, ...]:
         )
     for item in value:
         if not isinstance(item, str) or not item:
-            raise PipelineSpecError(f"{where}: every entry must be a non-empty string, got {item!r}")
+            raise PipelineSpecError(
+                f"{where}: every entry must be a non-empty string, got {item!r}"
+            )
     return tuple(value)
 
 
@@ -158,7 +176,8 @@ def unit_from_dict(record: Any, pipeline: str = "pipeline", index: int = 0) -> U
     for key in record:
         if key not in UNIT_FIELDS:
             raise PipelineSpecError(
-                f"{_where(pipeline, name, key)}: unknown field.{did_you_mean(str(key), UNIT_FIELDS)}"
+                f"{_where(pipeline, name, key)}: unknown field."
+                f"{did_you_mean(str(key), UNIT_FIELDS)}"
                 f" Allowed fields: {', '.join(UNIT_FIELDS)}"
             )
     raw_inputs = record.get("input_params")
@@ -182,7 +201,9 @@ def unit_from_dict(record: Any, pipeline: str = "pipeline", index: int = 0) -> U
         input_params_nega=_str_map(
             record.get("input_params_nega"), _where(pipeline, name, "input_params_nega")
         ),
-        output_params=_str_list(record.get("output_params"), _where(pipeline, name, "output_params")),
+        output_params=_str_list(
+            record.get("output_params"), _where(pipeline, name, "output_params")
+        ),
         onload_model_names=_str_list(
             record.get("onload_model_names"), _where(pipeline, name, "onload_model_names")
         ),
@@ -203,7 +224,8 @@ def pipeline_from_dict(data: Any) -> Pipeline:
     for key in data:
         if key not in PIPELINE_FIELDS:
             raise PipelineSpecError(
-                f"{_where(name, None, key)}: unknown field.{did_you_mean(str(key), PIPELINE_FIELDS)}"
+                f"{_where(name, None, key)}: unknown field."
+                f"{did_you_mean(str(key), PIPELINE_FIELDS)}"
                 f" Allowed fields: {', '.join(PIPELINE_FIELDS)}"
             )
     units = data.get("units")
@@ -217,11 +239,14 @@ def pipeline_from_dict(data: Any) -> Pipeline:
     return Pipeline(
         name=name,
         units=tuple(unit_from_dict(record, name, i) for i, record in enumerate(units)),
-        model_fn_params=_str_list(data.get("model_fn_params"), _where(name, None, "model_fn_params")),
+        model_fn_params=_str_list(
+            data.get("model_fn_params"), _where(name, None, "model_fn_params")
+        ),
         loss_params=_str_list(data.get("loss_params"), _where(name, None, "loss_params")),
         in_iteration_models=_str_list(
             data.get("in_iteration_models"), _where(name, None, "in_iteration_models")
         ),
+        step_params=_str_list(data.get("step_params"), _where(name, None, "step_params")),
     )
 
 

@@ -1,0 +1,69 @@
+"""A literal transcription of the seed's pseudocode (shared/seeds/000_*.txt): the test oracle."""
+
+
+def split_pipeline_units(units, model_names):
+    related = {
+        id
+        for id, unit in enumerate(units)
+        if unit.onload_model_names is not None
+        and any(m in unit.onload_model_names for m in model_names)
+    }
+    edges = build_edges(units)
+    chains = build_chains(units)
+    while True:
+        before = len(related)
+        related = forward_reachable(edges, related)
+        related = updating_units(units, chains, related)
+        if len(related) == before:
+            break
+    related_units = [units[i] for i in sorted(related)]
+    unrelated_units = [units[i] for i in range(len(units)) if i not in related]
+    return related_units, unrelated_units
+
+
+def build_edges(units):
+    last_producer = {}
+    edges = []
+    for id, unit in enumerate(units):
+        for param in unit.fetch_input_params():
+            if param in last_producer:
+                edges.append((last_producer[param], id))
+        for param in unit.fetch_output_params():
+            last_producer[param] = id
+    return edges
+
+
+def build_chains(units):
+    params = sorted(
+        set(sum([unit.fetch_input_params() + unit.fetch_output_params() for unit in units], []))
+    )
+    chains = {param: [] for param in params}
+    for id, unit in enumerate(units):
+        for param in unit.fetch_output_params():
+            chains[param].append(id)
+    return chains
+
+
+def forward_reachable(edges, related):
+    while True:
+        neighbors = {
+            target for source, target in edges if source in related and target not in related
+        }
+        if not neighbors:
+            break
+        related |= neighbors
+    return related
+
+
+def updating_units(units, chains, related):
+    first_consumer = {}
+    for unit_id in sorted(related):
+        for param in units[unit_id].fetch_input_params():
+            if param not in first_consumer:
+                first_consumer[param] = unit_id
+    for param, first in first_consumer.items():
+        chain = chains[param]
+        if first in chain and chain.index(first) != len(chain) - 1:
+            for later in chain[chain.index(first) + 1 :]:
+                related.add(later)
+    return related
