@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from splitter import (
@@ -23,6 +23,8 @@ from splitter import (
 )
 
 EXIT_USAGE = 2
+# Bad input from the user; anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
 
 
 def _csv(value: str) -> list[str]:
@@ -82,6 +84,56 @@ def cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard(value: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/4, got {value!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"shard {value}: need 0 <= I < N")
+    return index, count
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    """Stage 1: compute V2 outputs for samples not yet cached; print a one-line summary."""
+    from pipelines.config import load_config
+    from tasks.preprocess import preprocess
+
+    config = load_config(args.config)
+    report = preprocess(config, workers=args.workers, shard=args.shard, progress=not args.json)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.line())
+    return 0
+
+
+def cmd_data_digits(args: argparse.Namespace) -> int:
+    """Write scikit-learn's handwritten digits as a DiffSynth-format image-caption data set."""
+    from pipelines.digits import write_digits_dataset
+
+    count = write_digits_dataset(args.out_dir, limit=args.limit, size=args.size)
+    print(f"wrote {count} samples to {args.out_dir} (metadata.csv + images/)")
+    return 0
+
+
+def cmd_demo_weights(args: argparse.Namespace) -> int:
+    """Write the demo's VAE and DiT weights (seeded inits standing in for pretrained files)."""
+    from pipelines.models import build_demo_weights
+
+    paths = build_demo_weights(args.out_dir, seed=args.seed)
+    print(", ".join(f"{name}: {path}" for name, path in paths.items()))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Check a job config and print its plan and cache key, without running anything."""
+    from pipelines.config import load_config
+    from tasks.job_plan import make_plan
+
+    plan = make_plan(load_config(args.config))
+    print(plan_table(plan.split))
+    print(f"cache key: {plan.cache_key}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """All subcommands and their options."""
     parser = argparse.ArgumentParser(
@@ -115,12 +167,30 @@ def build_parser() -> argparse.ArgumentParser:
     stages.add_argument("--validate", metavar="STAGES.json", help="check a given assignment")
     stages.set_defaults(run=cmd_stages)
 
-    for register in EXTRA_COMMANDS:
-        register(sub)
+    check = sub.add_parser("validate", help="check a job config; print its plan and cache key")
+    check.add_argument("config", metavar="CONFIG.toml")
+    check.set_defaults(run=cmd_validate)
+
+    pre = sub.add_parser("preprocess", help="stage 1: run V2 over the data set into the cache")
+    pre.add_argument("config", metavar="CONFIG.toml")
+    pre.add_argument("--shard", type=_shard, metavar="I/N", help="run only shard I of N")
+    pre.add_argument("--workers", type=int, help="local worker processes (default: config)")
+    pre.add_argument("--json", action="store_true", help="print the report as JSON")
+    pre.set_defaults(run=cmd_preprocess)
+
+    data = sub.add_parser("data", help="example data sets")
+    data_sub = data.add_subparsers(dest="dataset", required=True, metavar="DATASET")
+    digits = data_sub.add_parser("digits", help="scikit-learn's 1,797 handwritten digits")
+    digits.add_argument("out_dir", metavar="OUT_DIR")
+    digits.add_argument("--limit", type=int, help="write only the first N samples")
+    digits.add_argument("--size", type=int, default=64, help="image side in pixels")
+    digits.set_defaults(run=cmd_data_digits)
+
+    weights = sub.add_parser("demo-weights", help="write the demo's VAE and DiT weight files")
+    weights.add_argument("out_dir", metavar="OUT_DIR")
+    weights.add_argument("--seed", type=int, default=0)
+    weights.set_defaults(run=cmd_demo_weights)
     return parser
-
-
-EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except UserError as error:
+    except USER_ERRORS as error:
         print(f"splitstage: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

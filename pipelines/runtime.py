@@ -1,0 +1,99 @@
+"""Running units on a batch: a unit reads its declared params and writes exactly its outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splitter import Unit, UserError
+
+
+class UnitRunError(UserError, RuntimeError):
+    """A unit broke its declared contract (missing input, undeclared or missing output)."""
+
+
+@dataclass
+class StepContext:
+    """What a unit needs besides its params: loaded models, device, per-step randomness."""
+
+    models: Mapping[str, torch.nn.Module]
+    device: torch.device
+    generator: torch.Generator | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def model(self, name: str, unit: str) -> torch.nn.Module:
+        """The loaded model `name`, or an error saying the offload plan did not load it."""
+        try:
+            return self.models[name]
+        except KeyError:
+            loaded = ", ".join(sorted(self.models)) or "none"
+            raise UnitRunError(
+                f"unit '{unit}' needs model '{name}', which this stage did not load (loaded: "
+                f"{loaded}); declare it in the unit's onload_model_names"
+            ) from None
+
+
+@dataclass(frozen=True)
+class RunnableUnit:
+    """A unit's declaration (what the splitter sees) plus the function that computes it."""
+
+    spec: Unit
+    process: Callable[..., dict[str, Any]]
+
+
+def unit_kwargs(unit: Unit, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Gather a unit's arguments: `input_params` by name, posi dict argument -> param."""
+    kwargs: dict[str, Any] = {}
+    for param in unit.input_params:
+        kwargs[param] = inputs.get(param)
+    for argument, param in unit.input_params_posi.items():
+        kwargs[argument] = inputs.get(param)
+    return kwargs
+
+
+def run_units(
+    units: Sequence[RunnableUnit], ctx: StepContext, inputs: dict[str, Any]
+) -> dict[str, Any]:
+    """Run units in order, updating `inputs` in place with each unit's declared outputs."""
+    for unit in units:
+        outputs = unit.process(ctx, **unit_kwargs(unit.spec, inputs))
+        declared = set(unit.spec.output_params)
+        extra = sorted(set(outputs) - declared)
+        missing = sorted(declared - set(outputs))
+        if extra or missing:
+            raise UnitRunError(
+                f"unit '{unit.spec.name}' returned {sorted(outputs)} but declares output_params "
+                f"{sorted(declared)} (undeclared: {extra}, missing: {missing}); fix the unit or "
+                "its declaration, or the split will be wrong"
+            )
+        inputs.update(outputs)
+    return inputs
+
+
+def select(units: Iterable[RunnableUnit], names: Iterable[str]) -> list[RunnableUnit]:
+    """The units called `names`, in pipeline order."""
+    wanted = set(names)
+    return [unit for unit in units if unit.spec.name in wanted]
+
+
+def split_batch(batch: Mapping[str, Any], params: Iterable[str], size: int) -> list[dict[str, Any]]:
+    """Per-sample records of `params`: tensors and lists are indexed on dim 0, scalars repeated."""
+    samples: list[dict[str, Any]] = [{} for _ in range(size)]
+    for param in params:
+        if param not in batch:
+            raise UnitRunError(
+                f"boundary param '{param}' was not produced by stage 1 and is not a data field; "
+                "add it to the data set or to a V2 unit's output_params"
+            )
+        value = batch[param]
+        for index, sample in enumerate(samples):
+            if isinstance(value, torch.Tensor):
+                sample[param] = value[index].detach().to("cpu").clone()
+            elif isinstance(value, list | tuple) and len(value) == size:
+                sample[param] = value[index]
+            else:
+                sample[param] = value
+    return samples

@@ -1,0 +1,281 @@
+"""Stage 1: run V2 over the data set under no_grad and write only the boundary params to the cache.
+
+Samples are partitioned by sample key (`shard_of`), so any worker count gives the same cache; a
+worker loads only the stage-1 models of the offload plan, skips samples already committed, and
+writes shards of `cache.shard_samples` samples (bounded memory), each committed by its index entry.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from pipelines import demo
+from pipelines.config import SplitstageConfig
+from pipelines.data import DataError, Row, load_metadata, load_sample, read_image_bytes, sample_key
+from pipelines.runtime import StepContext, run_units, split_batch
+from splitter import UserError
+from tasks.cache_store import CacheStore
+from tasks.device import pick_device
+from tasks.job_plan import JobPlan, make_plan
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class DataIndex:
+    """The data set's usable rows with their sample keys, and what was skipped."""
+
+    rows: list[Row]
+    keys: list[str]
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    duplicates: int = 0
+
+
+@dataclass
+class ShardReport:
+    """What one preprocessing worker did."""
+
+    shard: int
+    num_shards: int
+    assigned: int = 0
+    computed: int = 0
+    reused: int = 0
+    skipped: int = 0
+    bytes_written: int = 0
+    shards_written: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class PreprocessReport:
+    """The whole preprocessing run, summed over workers."""
+
+    cache_key: str
+    cache_url: str
+    samples: int = 0
+    computed: int = 0
+    reused: int = 0
+    skipped: int = 0
+    duplicates: int = 0
+    bytes_written: int = 0
+    shards_written: int = 0
+    seconds: float = 0.0
+    workers: int = 1
+    skipped_rows: list[tuple[int, str]] = field(default_factory=list)
+
+    def line(self) -> str:
+        """The one-line summary the CLI prints."""
+        mb = self.bytes_written / 1e6
+        return (
+            f"preprocess {self.cache_key}: {self.samples} samples, {self.computed} computed, "
+            f"{self.reused} reused, {self.skipped} skipped, {mb:.2f} MB written in "
+            f"{self.shards_written} shards, {self.seconds:.1f} s ({self.workers} workers)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready report."""
+        return asdict(self)
+
+
+def shard_of(key: str, num_shards: int) -> int:
+    """The worker shard that owns a sample key: stable, independent of row order and paths."""
+    return int(key[:16], 16) % num_shards
+
+
+def index_data_set(config: SplitstageConfig) -> DataIndex:
+    """Read the metadata and hash every sample's content; bad rows raise or are counted."""
+    data = config.data
+    loaded = load_metadata(data.base_path, data.metadata_path, skip_bad_rows=data.skip_bad_rows)
+    rows, skipped = loaded if data.skip_bad_rows else (loaded, [])
+    skipped = [(s.line, s.reason) for s in skipped]
+    if data.limit is not None:
+        rows = rows[: data.limit]
+    index = DataIndex(rows=[], keys=[], skipped=skipped)
+    seen: set[str] = set()
+    for row in rows:
+        try:
+            key = sample_key(read_image_bytes(row, data.base_path), row.prompt, row.extras)
+        except DataError as error:
+            if not data.skip_bad_rows:
+                raise
+            index.skipped.append((row.line, str(error)))
+            continue
+        if key in seen:
+            index.duplicates += 1
+            continue
+        seen.add(key)
+        index.rows.append(row)
+        index.keys.append(key)
+    if not index.rows:
+        raise DataError(
+            f"data set {data.base_path}: no usable rows ({len(index.skipped)} skipped); "
+            "check data.base_path and data.metadata_path"
+        )
+    return index
+
+
+def open_cache(config: SplitstageConfig, plan: JobPlan) -> CacheStore:
+    """The cache store this job reads and writes."""
+    return CacheStore(config.cache.url, plan.cache_key, config.cache.storage_options)
+
+
+def collate_samples(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stack image tensors; keep every other field as a per-sample list."""
+    batch: dict[str, Any] = {}
+    for name in samples[0]:
+        values = [sample[name] for sample in samples]
+        batch[name] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+    return batch
+
+
+def preprocess_shard(
+    config: SplitstageConfig,
+    shard: int = 0,
+    num_shards: int = 1,
+    *,
+    plan: JobPlan | None = None,
+    data: DataIndex | None = None,
+    progress: bool = True,
+    on_progress: ProgressFn | None = None,
+) -> ShardReport:
+    """Compute and cache the V2 outputs of the samples this shard owns that are not cached yet."""
+    if not 0 <= shard < num_shards:
+        raise UserError(
+            f"--shard {shard}/{num_shards}: the shard index must be in 0..{num_shards - 1}"
+        )
+    started = time.perf_counter()
+    plan = plan or make_plan(config)
+    data = data or index_data_set(config)
+    store = open_cache(config, plan)
+    report = ShardReport(shard=shard, num_shards=num_shards, skipped=len(data.skipped))
+    mine = [(r, k) for r, k in zip(data.rows, data.keys) if shard_of(k, num_shards) == shard]
+    report.assigned = len(mine)
+    committed = store.committed_keys()
+    todo = [(r, k) for r, k in mine if k not in committed]
+    report.reused = len(mine) - len(todo)
+    if todo:
+        _compute(config, plan, store, todo, report, progress, on_progress)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
+    """Load the stage-1 models, run V2 in batches, flush full shards as they fill."""
+    device = pick_device(config.preprocess.device)
+    models = {name: demo.build_model(config, name, device) for name in plan.split.models["stage1"]}
+    ctx = StepContext(models=models, device=device, settings=demo.settings(config))
+    size = config.pipeline.image_size
+    base = config.data.base_path
+    batch_size = config.preprocess.batch_size
+    buffer: dict[str, dict[str, Any]] = {}
+    bar = tqdm(
+        total=len(todo),
+        desc=f"preprocess {report.shard}/{report.num_shards}",
+        unit="sample",
+        disable=not progress,
+    )
+    with torch.no_grad(), bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            samples, keys = [], []
+            for row, key in chunk:
+                try:
+                    samples.append(load_sample(row, base, size))
+                    keys.append(key)
+                except DataError:
+                    if not config.data.skip_bad_rows:
+                        raise
+                    report.skipped += 1
+            if samples:
+                batch = run_units(plan.v2_units, ctx, collate_samples(samples))
+                records = split_batch(batch, plan.split.boundary_params, len(samples))
+                buffer.update(zip(keys, records))
+                report.computed += len(samples)
+            while len(buffer) >= config.cache.shard_samples:
+                _flush(store, buffer, config.cache.shard_samples, report)
+            bar.update(len(chunk))
+            if on_progress:
+                on_progress(start + len(chunk), len(todo))
+        if buffer:
+            _flush(store, buffer, len(buffer), report)
+
+
+def _flush(store: CacheStore, buffer: dict, count: int, report: ShardReport) -> None:
+    """Write the first `count` buffered samples as one shard (shard file, then its index)."""
+    keys = list(buffer)[:count]
+    info = store.write_shard({key: buffer.pop(key) for key in keys})
+    report.bytes_written += info.nbytes
+    report.shards_written += 1
+
+
+def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex):
+    """Process-pool entry: rebuild the config, limit torch threads, run one shard."""
+    from pipelines.config import SplitstageConfig
+
+    torch.set_num_threads(threads)
+    config = SplitstageConfig.model_validate_json(config_json)
+    return preprocess_shard(config, shard, num_shards, data=data, progress=False)
+
+
+def preprocess(
+    config: SplitstageConfig,
+    *,
+    workers: int | None = None,
+    shard: tuple[int, int] | None = None,
+    progress: bool = True,
+) -> PreprocessReport:
+    """Run one shard (`shard=(i, n)`) or all shards on local worker processes, then the manifest."""
+    started = time.perf_counter()
+    plan = make_plan(config)
+    data = index_data_set(config)
+    store = open_cache(config, plan)
+    workers = workers or config.preprocess.workers
+    if shard is not None:
+        reports = [
+            preprocess_shard(config, shard[0], shard[1], plan=plan, data=data, progress=progress)
+        ]
+        workers = 1
+    elif workers == 1:
+        reports = [preprocess_shard(config, 0, 1, plan=plan, data=data, progress=progress)]
+    else:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        payload = config.model_dump_json()
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            futures = [
+                pool.submit(_worker, payload, i, workers, threads, data) for i in range(workers)
+            ]
+            reports = [f.result() for f in futures]
+    result = PreprocessReport(
+        cache_key=plan.cache_key,
+        cache_url=store.url,
+        samples=len(data.keys),
+        computed=sum(r.computed for r in reports),
+        reused=sum(r.reused for r in reports),
+        skipped=len(data.skipped) + sum(r.skipped - len(data.skipped) for r in reports),
+        duplicates=data.duplicates,
+        bytes_written=sum(r.bytes_written for r in reports),
+        shards_written=sum(r.shards_written for r in reports),
+        workers=workers,
+        skipped_rows=data.skipped,
+    )
+    if shard is None:
+        store.refresh()
+        missing = set(data.keys) - store.committed_keys()
+        if missing:
+            raise RuntimeError(
+                f"preprocess finished but {len(missing)} samples are not in the cache"
+            )
+        store.write_manifest(
+            {"plan": plan.summary(), "samples": sorted(data.keys), "report": result.to_dict()}
+        )
+    result.seconds = time.perf_counter() - started
+    return result
