@@ -25,12 +25,14 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from splitter import UserError
+
 REQUIRED_COLUMNS = ("image", "prompt")
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
 SAMPLE_KEY_VERSION = "splitstage-sample-v1"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad data set content; the message names the file, the row and the fix."""
 
 

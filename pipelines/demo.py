@@ -35,6 +35,18 @@ MODEL_NAMES = ("text_encoder", "vae", "dit")
 DATA_FIELDS = ("image", "prompt", "height", "width")
 STEP_PARAMS = ("latents", "timestep", "noise")
 PROMPT_PARAMS = ("prompt_emb", "prompt_mask", "empty_prompt_emb", "empty_prompt_mask")
+# Tensor-parallel plans (FQN pattern -> style): column-shard the projections into heads / hidden
+# units, row-shard the layers that bring them back, so each block needs one all-reduce per half.
+TP_PLANS = {
+    "dit": {
+        "blocks.*.attn.to_q": "colwise",
+        "blocks.*.attn.to_k": "colwise",
+        "blocks.*.attn.to_v": "colwise",
+        "blocks.*.attn.to_out": "rowwise",
+        "blocks.*.mlp.fc1": "colwise",
+        "blocks.*.mlp.fc2": "rowwise",
+    }
+}
 
 
 def shape_check(ctx: StepContext, height: list[int], width: list[int]) -> dict[str, Any]:

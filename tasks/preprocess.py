@@ -123,9 +123,11 @@ def index_data_set(config: SplitstageConfig) -> DataIndex:
     return index
 
 
-def open_cache(config: SplitstageConfig, plan: JobPlan) -> CacheStore:
-    """The cache store this job reads and writes."""
-    return CacheStore(config.cache.url, plan.cache_key, config.cache.storage_options)
+def open_cache(
+    config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None
+) -> CacheStore:
+    """The cache store this job reads and writes (`cache_key` when already known)."""
+    return CacheStore(config.cache.url, cache_key or plan.cache_key, config.cache.storage_options)
 
 
 def collate_samples(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,226 @@
+"""Cache size and S3 write speed: splitstage's CacheStore vs DiffSynth-style caching, side by side.
+
+Run: .venv/bin/python bench/bench_cache.py [--samples-per-shard 32] [--shards 24] [--rounds 3]
+
+(a) bytes per sample: our shards (boundary params only, safetensors + JSON, plus the index entry)
+    vs `torch.save` of the sample's whole inputs dict, one file per sample (DiffSynth's cache).
+    Goal: ratio <= 0.5.
+(b) write throughput to a moto S3 server on loopback: `CacheStore.write_shards` (serialise, hash,
+    put shards, then put index entries) vs a raw batched s3fs `pipe` of the same shard bytes.
+    Goal: ratio >= 0.8. One-shard-per-call `write_shard` is shown for information.
+`--check` exits 1 when a goal is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tasks.cache_store import CacheStore, encode_shard  # noqa: E402
+from tasks.storage import write_chains  # noqa: E402
+
+
+def demo_cached_sample(seed: int = 0) -> dict[str, Any]:
+    """A boundary-params sample shaped like the demo pipeline's cache entry."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "prompt_emb": torch.randn(1, 16, 384, generator=g),
+        "latents": torch.randn(1, 4, 8, 8, generator=g),
+        "height": 64,
+        "width": 64,
+        "prompt": f"a handwritten digit {seed % 10}, white on black",
+    }
+
+
+def demo_full_inputs(cached: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """What a DiffSynth cache saves for the same sample: the whole inputs dict after the units."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        **cached,
+        "input_image": torch.rand(1, 3, 64, 64, generator=g),
+        "noise": torch.randn(1, 4, 8, 8, generator=g),
+        "negative_prompt": "",
+        "cfg_scale": 1.0,
+        "seed": seed,
+        "rand_device": "cpu",
+        "num_inference_steps": 50,
+        "tiled": False,
+        "tile_size": 64,
+        "tile_stride": 32,
+    }
+
+
+def _copies(sample: dict[str, Any], count: int) -> dict[str, dict[str, Any]]:
+    """`count` samples with distinct keys and distinct tensor storage."""
+    return {
+        f"{i:016x}": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
+        for i in range(count)
+    }
+
+
+def bytes_per_sample(
+    cached: dict[str, Any], full_inputs: dict[str, Any], samples_per_shard: int = 32
+) -> tuple[float, float]:
+    """(our bytes per sample incl. index entry, torch.save bytes per sample of `full_inputs`)."""
+    store = CacheStore("memory://bench-cache-size", f"run{time.time_ns()}")
+    info = store.write_shard(_copies(cached, samples_per_shard))
+    index_bytes = len(store.fs.cat_file(f"{store.root}/index/{info.shard_id}.json"))
+    ours = (info.nbytes + index_bytes) / samples_per_shard
+    buf = io.BytesIO()
+    torch.save(full_inputs, buf)
+    return ours, float(len(buf.getvalue()))
+
+
+def _free_port() -> int:
+    """A port nobody listens on right now (bind to port 0, read it back)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_s3() -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Start a moto S3 server in its own process (like a real endpoint, it does not share our
+    interpreter) on a free loopback port, with bucket 'bench'; return (process, options)."""
+    import s3fs
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/data.json", timeout=1).read()
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {proc.returncode}") from None
+            time.sleep(0.1)
+    options = {"key": "key", "secret": "secret", "client_kwargs": {"endpoint_url": endpoint}}
+    s3fs.S3FileSystem(**options).mkdir("bench")
+    return proc, options
+
+
+def write_throughput(
+    shards: list[dict[str, dict[str, Any]]], options: dict[str, Any], rounds: int
+) -> dict[str, float]:
+    """MB/s of shard bytes for CacheStore (batched, one shard per call), the raw batched pipe, and
+    two diagnostics: pre-encoded shards plus index entries (the commit protocol's own cost), and
+    encode + sha256 alone (no I/O: the CPU that CacheStore adds)."""
+    payload = {f"bench/raw/{i}.safetensors": encode_shard(s)[0] for i, s in enumerate(shards)}
+    megabytes = sum(len(b) for b in payload.values()) / 1e6
+    store = CacheStore("s3://bench/cache", "ck", options)
+    chains = [
+        [
+            (path, data),
+            (f"{path}.json", json.dumps({"sha256": hashlib.sha256(data).hexdigest()}).encode()),
+        ]
+        for path, data in payload.items()
+    ]
+
+    def encode_only() -> None:
+        for shard in shards:
+            hashlib.sha256(encode_shard(shard)[0]).hexdigest()
+
+    def per_call() -> None:
+        for shard in shards:
+            store.write_shard(shard)
+
+    runs = {
+        "batched": lambda: store.write_shards(shards),
+        "raw": lambda: store.fs.pipe(payload),
+        "per_call": per_call,
+        "commit": lambda: write_chains(store.fs, chains),
+        "encode": encode_only,
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):  # interleaved, so load drift affects all alike
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: megabytes / statistics.median(ts) for name, ts in times.items()}
+
+
+def _row(name: str, ours: str, base: str, ratio: float | None, goal: str, ok: bool | None) -> str:
+    """One table row."""
+    r = "" if ratio is None else f"{ratio:.3f}"
+    verdict = {True: "yes", False: "MISSED", None: "info"}[ok]
+    return f"{name:<36} {ours:>12} {base:>12} {r:>7} {goal:>8} {verdict:>7}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure both comparisons in one run and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples-per-shard", type=int, default=128)
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    args = parser.parse_args(argv)
+
+    cached = demo_cached_sample()
+    ours_b, base_b = bytes_per_sample(cached, demo_full_inputs(cached), args.samples_per_shard)
+    size_ratio = ours_b / base_b
+
+    shards = [
+        {
+            f"{s:08x}{i:08x}": demo_cached_sample(s * args.samples_per_shard + i)
+            for i in range(args.samples_per_shard)
+        }
+        for s in range(args.shards)
+    ]
+    server, options = start_s3()
+    try:
+        mbps = write_throughput(shards, options, args.rounds)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    speed_ratio = mbps["batched"] / mbps["raw"]
+
+    shard_mb = len(encode_shard(shards[0])[0]) / 1e6
+    print(
+        f"cache benchmark: {args.shards} shards x {args.samples_per_shard} samples "
+        f"({shard_mb:.1f} MB/shard), moto S3 in its own process, median of {args.rounds} rounds"
+    )
+    print(_row("metric", "splitstage", "baseline", None, "goal", None).replace("info", "ok"))
+    print(
+        _row(
+            "bytes/sample (vs torch.save dict)",
+            f"{ours_b / 1e3:.1f} kB",
+            f"{base_b / 1e3:.1f} kB",
+            size_ratio,
+            "<= 0.5",
+            size_ratio <= 0.5,
+        )
+    )
+    raw = f"{mbps['raw']:.1f} MB/s"
+    rows = [
+        ("S3 write: write_shards vs raw pipe", "batched", ">= 0.8", speed_ratio >= 0.8),
+        ("S3 write: write_shard per shard", "per_call", "", None),
+        ("S3 write: pre-encoded shard+index", "commit", "", None),
+        ("encode+sha256 only (no I/O)", "encode", "", None),
+    ]
+    for name, key, goal, ok in rows:
+        print(_row(name, f"{mbps[key]:.1f} MB/s", raw, mbps[key] / mbps["raw"], goal, ok))
+    missed = size_ratio > 0.5 or speed_ratio < 0.8
+    return 1 if (args.check and missed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
