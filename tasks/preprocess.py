@@ -123,9 +123,7 @@ def index_data_set(config: SplitstageConfig) -> DataIndex:
     return index
 
 
-def open_cache(
-    config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None
-) -> CacheStore:
+def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None) -> CacheStore:
     """The cache store this job reads and writes (`cache_key` when already known)."""
     return CacheStore(config.cache.url, cache_key or plan.cache_key, config.cache.storage_options)
 

@@ -1,0 +1,412 @@
+"""Resumable, reshardable training checkpoints (torch DCP) on any fsspec URL (path, file://, s3://).
+
+Layout: `<url>/step-00000100/` holds DCP's files (`.metadata`, `__<rank>_0.distcp`),
+`extra.safetensors` (the caller's `extra_state`), one `rng-rank00000.safetensors` per rank
+(torch CPU/CUDA, python, numpy RNG), and `COMPLETE`, written last. A directory without `COMPLETE`
+and `.metadata` is an unfinished save: ignored and deleted. Everything this module writes is JSON
+or safetensors (no pickle); DCP's own `.metadata` is torch's format. Local paths must be shared by
+all nodes of a multi-node job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import re
+import struct
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from splitter import UserError
+from tasks.distributed import comm_device
+from tasks.storage import join, open_fs, storage_errors, write_atomic
+
+log = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+METADATA = ".metadata"
+EXTRA = "extra.safetensors"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint is missing, unfinished or damaged; the message names its directory."""
+
+
+def step_dir(step: int) -> str:
+    """The directory name of a step's checkpoint (zero-padded, so names sort by step)."""
+    return f"step-{step:08d}"
+
+
+def _rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    """The number of ranks (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's 'assuming a single process' warning (expected without a process group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _on_all_ranks(fn: Callable[[], object], ckpt_url: str) -> None:
+    """Run fn on every rank, then agree: all ranks raise if any failed (never a lone hang)."""
+    error: BaseException | None = None
+    try:
+        fn()
+    except Exception as exc:
+        error = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor([int(error is not None)], device=comm_device())
+        dist.all_reduce(failed)
+        if error is None and int(failed.item()):
+            raise CheckpointError(
+                f"checkpoint {ckpt_url}: {int(failed.item())} other rank(s) failed to write; "
+                "see their logs"
+            )
+    if error is not None:
+        raise error
+
+
+def _rng_name(rank: int) -> str:
+    """File name of one rank's RNG state."""
+    return f"rng-rank{rank:05d}.safetensors"
+
+
+def _as_list(optimizers) -> list[torch.optim.Optimizer]:
+    """None, one optimizer or several -> a list."""
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    return list(optimizers)
+
+
+def _options(lora_only: bool) -> StateDictOptions:
+    """LoRA-only checkpoints skip frozen params and load non-strictly."""
+    return StateDictOptions(ignore_frozen_params=lora_only, strict=not lora_only)
+
+
+def _state(model: nn.Module, optimizers: list, lora_only: bool) -> dict[str, Any]:
+    """The DCP state dict: sharded model (and optimizer) state, keyed by plain FQNs."""
+    if not optimizers:
+        return {"model": get_model_state_dict(model, options=_options(lora_only))}
+    msd, osd = get_state_dict(model, optimizers, options=_options(lora_only))
+    return {"model": msd, "optim": osd}
+
+
+# -- JSON + tensors encoding of extra_state and RNG state (no pickle)
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    """JSON-able tree; tensors/ndarrays go to `tensors` and are referenced by name."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = obj.detach().cpu().contiguous()
+        return {"__tensor__": name}
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional here
+        np = None
+    if np is not None and isinstance(obj, np.ndarray):
+        return {"__ndarray__": _encode(torch.from_numpy(obj.copy()), tensors, where)}
+    if np is not None and isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {
+            "__items__": [
+                [_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")]
+                for k, v in obj.items()
+            ]
+        }
+    raise TypeError(
+        f"{where} is a {type(obj).__name__}; checkpoints store only JSON values, tuples, "
+        "tensors and numpy arrays (no pickle): convert it, e.g. with its state_dict()"
+    )
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of _encode."""
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return _decode(obj["__ndarray__"], tensors).numpy()
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def _pack(tree: Any, where: str) -> bytes:
+    """A tree of JSON values and tensors as one safetensors blob (JSON in its metadata)."""
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(tree, tensors, where)
+    return st_save(tensors, metadata={"json": json.dumps(encoded), "format": str(FORMAT)})
+
+
+def _unpack(blob: bytes) -> Any:
+    """Inverse of _pack (reads the safetensors header's metadata, then the tensors)."""
+    (size,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + size])
+    tensors = st_load(blob)
+    return _decode(json.loads(header["__metadata__"]["json"]), tensors)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU, its current CUDA device (if used), python, numpy."""
+    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: no new contexts
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what `rng_state` returned, so random draws continue bitwise identically."""
+    torch.set_rng_state(state["torch_cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+# -- listing and cleaning
+
+
+def _scan(fs, root: str) -> tuple[dict[int, str], dict[int, str]]:
+    """(complete, incomplete) step -> directory path under root."""
+    fs.invalidate_cache()
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return {}, {}
+    complete, incomplete = {}, {}
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        match = _STEP_DIR.match(name)
+        if not match or entry.get("type") != "directory":
+            continue
+        path = entry["name"].rstrip("/")
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        target = complete if {COMPLETE, METADATA} <= names else incomplete
+        target[int(match.group(1))] = path
+    return complete, incomplete
+
+
+def _remove(fs, path: str) -> None:
+    """Delete a checkpoint dir, marker first, so a crash mid-delete leaves an ignored dir."""
+    marker = join(path, COMPLETE)
+    if fs.exists(marker):
+        fs.rm(marker)
+    fs.rm(path, recursive=True)
+
+
+def _prune(fs, root: str, keep_last: int) -> list[int]:
+    """Delete unfinished checkpoints and all but the newest `keep_last` complete ones."""
+    complete, incomplete = _scan(fs, root)
+    doomed = sorted(complete)[:-keep_last] + sorted(incomplete)
+    for step in doomed:
+        _remove(fs, complete.get(step) or incomplete[step])
+    return doomed
+
+
+def latest_checkpoint(
+    url: str, *, storage_options: Mapping[str, Any] | None = None, clean: bool = True
+) -> int | None:
+    """The newest complete checkpoint's step, or None; rank 0 deletes unfinished ones (`clean`)."""
+    fs, root = open_fs(url, storage_options)
+    with storage_errors(url, "list checkpoints in", storage_options):
+        complete, incomplete = _scan(fs, root)
+        if clean and _rank() == 0:
+            for step in sorted(incomplete):
+                log.info("deleting unfinished checkpoint %s", incomplete[step])
+                _remove(fs, incomplete[step])
+    return max(complete) if complete else None
+
+
+# -- save / load
+
+
+def save_checkpoint(
+    url: str,
+    step: int,
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
+    extra_state: Mapping[str, Any] | None = None,
+    *,
+    keep_last: int = 3,
+    lora_only: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    save_rng: bool = True,
+) -> str:
+    """Save model + optimizers + extra_state (+ each rank's RNG) as step `step`; collective.
+
+    extra_state: JSON values, tuples, tensors, numpy arrays (scheduler state, data position).
+    Returns the checkpoint URL. Older checkpoints beyond `keep_last` go after this one is complete.
+    """
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last must be an integer >= 1, got {keep_last!r}")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    extra_blob = _pack(dict(extra_state or {}), "extra_state")  # fail early on bad values
+    fs, root = open_fs(url, storage_options)
+    path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
+    with storage_errors(ckpt_url, "write checkpoint", storage_options):
+        _on_all_ranks(lambda: _rank() == 0 and fs.exists(path) and _remove(fs, path), ckpt_url)
+        state = _state(model, _as_list(optimizers), lora_only)
+        writer = FsspecWriter(ckpt_url, **dict(storage_options or {}))
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=writer)  # DCP raises on every rank if one fails
+
+        def write_own_files() -> None:
+            if save_rng:
+                write_atomic(fs, join(path, _rng_name(_rank())), _pack(rng_state(), "rng"))
+            if _rank() == 0:
+                write_atomic(fs, join(path, EXTRA), extra_blob)
+
+        _on_all_ranks(write_own_files, ckpt_url)
+        marker = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": _world(),
+            "lora_only": lora_only,
+            "rng": save_rng,
+            "time": time.time(),
+        }
+        complete = join(path, COMPLETE)
+        _on_all_ranks(
+            lambda: _rank() == 0 and write_atomic(fs, complete, json.dumps(marker).encode()),
+            ckpt_url,
+        )
+    if _rank() == 0:
+        try:
+            _prune(fs, root, keep_last)
+        except Exception as exc:  # the new checkpoint is complete; pruning can wait for the next
+            log.warning("could not delete old checkpoints under %s: %s", url, exc)
+    return ckpt_url
+
+
+def _read_marker(fs, path: str, ckpt_url: str) -> dict[str, Any]:
+    """The COMPLETE marker, or a CheckpointError saying the checkpoint is unfinished."""
+    if not fs.exists(join(path, COMPLETE)) or not fs.exists(join(path, METADATA)):
+        raise CheckpointError(
+            f"checkpoint {ckpt_url} is unfinished or missing (no {COMPLETE} marker or "
+            f"{METADATA}); resume from latest_checkpoint() instead"
+        )
+    return json.loads(fs.cat_file(join(path, COMPLETE)))
+
+
+def _check_files(fs, path: str, ckpt_url: str, reader: FsspecReader, marker) -> None:
+    """Every file the checkpoint needs exists, else a CheckpointError naming the missing ones."""
+    metadata = reader.read_metadata()
+    needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    needed.add(EXTRA)
+    if marker.get("rng") and marker.get("world_size") == _world():
+        needed.update(_rng_name(r) for r in range(_world()))  # all ranks agree on the verdict
+    present = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    missing = sorted(needed - present)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {ckpt_url} is damaged: missing {', '.join(missing[:5])}; restore those "
+            f"files, or delete {ckpt_url} to resume from the previous checkpoint"
+        )
+
+
+def load_checkpoint(
+    url: str,
+    step: int,
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load step `step` into the (parallelized) model and optimizers; return its extra_state.
+
+    Any world size or layout can load (DCP reshards). RNG states come back only on the world size
+    they were saved with (then resume is bitwise identical).
+    """
+    optimizers = _as_list(optimizers)
+    fs, root = open_fs(url, storage_options)
+    path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
+    with storage_errors(ckpt_url, "read checkpoint", storage_options):
+        marker = _read_marker(fs, path, ckpt_url)
+        reader = FsspecReader(ckpt_url, **dict(storage_options or {}))
+        _check_files(fs, path, ckpt_url, reader, marker)
+        lora_only = bool(marker.get("lora_only"))
+        state = _state(model, optimizers, lora_only)
+        try:
+            with _single_process_quiet():
+                dcp.load(state, storage_reader=reader)
+        except Exception as exc:
+            raise CheckpointError(f"cannot load checkpoint {ckpt_url}: {exc}") from exc
+        if optimizers:
+            set_state_dict(
+                model,
+                optimizers,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=_options(lora_only),
+            )
+        else:
+            set_model_state_dict(model, state["model"], options=_options(lora_only))
+        extra = _unpack(fs.cat_file(join(path, EXTRA)))
+        if restore_rng and marker.get("rng"):
+            if marker.get("world_size") == _world():
+                set_rng_state(_unpack(fs.cat_file(join(path, _rng_name(_rank())))))
+            elif _rank() == 0:
+                log.warning(
+                    "checkpoint %s was saved on %s ranks, this job has %d: RNG states not restored",
+                    ckpt_url,
+                    marker.get("world_size"),
+                    _world(),
+                )
+    return extra

@@ -1,0 +1,384 @@
+"""Run `torchrun` (c10d rendezvous, one or many nodes) as a subprocess we can watch and stop.
+
+Output streams line by line (`--tee 3`: each worker line is prefixed `[default<local_rank>]:`).
+On failure the result names the first failing rank and its error (torchrun's `error.json` when the
+worker used `@record`, else the tail of that rank's stderr log). Cancelling (a threading.Event,
+a timeout, KeyboardInterrupt or an exception from `on_line`) ends the whole process tree:
+torchrun's workers run in their own sessions, so its process group alone would leave them alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import psutil
+
+DEFAULT_RDZV_ID = "splitstage"
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+_ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_ENDPOINT = re.compile(r"^\[?[\w.:-]+\]?:\d+$")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (bind to port 0); another process may still take it later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TorchrunSpec:
+    """One torchrun agent: this node's part of a job of `nnodes` x `nproc_per_node` workers."""
+
+    module_or_script: str
+    args: Sequence[str] = ()
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # "host:port"; None on one node: a standalone rendezvous
+    rdzv_id: str = DEFAULT_RDZV_ID  # the same on every node of one job
+    max_restarts: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when the spec cannot form a job."""
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise ValueError(
+                f"nnodes={self.nnodes} and nproc_per_node={self.nproc_per_node} must be >= 1"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs rdzv_endpoint='host:port' of a host every node "
+                "reaches (the same on all nodes)"
+            )
+        if self.rdzv_endpoint and not _ENDPOINT.match(self.rdzv_endpoint):
+            raise ValueError(f"rdzv_endpoint={self.rdzv_endpoint!r} is not 'host:port'")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
+        if not self.module_or_script:
+            raise ValueError("module_or_script is empty: name a module or a .py script")
+
+    @property
+    def is_script(self) -> bool:
+        """A path to a .py file (run as a script) rather than a module name (run with -m)."""
+        target = self.module_or_script
+        return target.endswith(".py") or os.sep in target or os.path.isfile(target)
+
+
+def build_command(spec: TorchrunSpec, *, log_dir: str | None = None) -> list[str]:
+    """The torchrun command line for `spec` (run through `spec.python -m torch.distributed.run`)."""
+    spec.validate()
+    cmd = [spec.python, "-m", "torch.distributed.run"]
+    if spec.nnodes == 1 and not spec.rdzv_endpoint:
+        cmd.append("--standalone")  # c10d on localhost, port picked by the OS: no port race
+    else:
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+        ]
+    cmd += [
+        f"--nnodes={spec.nnodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--max-restarts={spec.max_restarts}",
+    ]
+    if log_dir:
+        cmd += [f"--log-dir={log_dir}", "--tee=3"]
+    if spec.is_script:
+        cmd.append(spec.module_or_script)
+    else:
+        cmd += ["-m", spec.module_or_script]
+    return cmd + [str(a) for a in spec.args]
+
+
+@dataclass
+class TorchrunResult:
+    """How a torchrun agent ended, and which rank failed first with what error."""
+
+    command: list[str]
+    returncode: int | None
+    output_tail: list[str]
+    log_dir: str | None
+    failed_rank: int | None = None
+    failed_local_rank: int | None = None
+    error: str | None = None
+    timed_out: bool = False
+    cancelled: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when torchrun and all its workers exited 0."""
+        return self.returncode == 0 and not (self.timed_out or self.cancelled)
+
+    def raise_for_status(self) -> None:
+        """Raise TorchrunError unless the run succeeded."""
+        if not self.ok:
+            raise TorchrunError(self)
+
+
+class TorchrunError(RuntimeError):
+    """A torchrun job failed, timed out or was cancelled; `.result` has the details."""
+
+    def __init__(self, result: TorchrunResult) -> None:
+        self.result = result
+        if result.timed_out:
+            what = "timed out"
+        elif result.cancelled:
+            what = "was cancelled"
+        else:
+            what = f"failed (exit {result.returncode})"
+        where = ""
+        if result.failed_rank is not None:
+            where = f": rank {result.failed_rank} (local rank {result.failed_local_rank})"
+        detail = f"\n{result.error}" if result.error else ""
+        logs = f"\nper-rank logs: {result.log_dir}" if result.log_dir else ""
+        super().__init__(f"torchrun {what}{where}{detail}{logs}")
+
+
+def _snapshot(root: psutil.Process, known: dict[int, float]) -> None:
+    """Remember every descendant (pid -> create time) so orphans can still be found."""
+    with contextlib.suppress(psutil.Error):
+        for child in root.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                known.setdefault(child.pid, child.create_time())
+
+
+def _processes(known: dict[int, float]) -> list[psutil.Process]:
+    """The remembered processes that still exist as the same process (pids can be reused)."""
+    out = []
+    for pid, created in known.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if proc.create_time() == created and is_alive(proc):
+                out.append(proc)
+    return out
+
+
+def is_alive(proc: psutil.Process | int) -> bool:
+    """True while a process runs (a zombie awaiting its reaper counts as dead)."""
+    try:
+        proc = proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill_tree(
+    root_pid: int | None, known: dict[int, float] | None = None, grace: float = 5.0
+) -> None:
+    """SIGTERM a process, its descendants and the orphans in `known`; SIGKILL what remains."""
+    known = dict(known or {})
+    with contextlib.suppress(psutil.Error):
+        if root_pid is not None:
+            root = psutil.Process(root_pid)
+            known.setdefault(root.pid, root.create_time())
+            _snapshot(root, known)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        procs = _processes(known)
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            for proc in procs:  # new children spawned meanwhile are caught too
+                if is_alive(proc):
+                    with contextlib.suppress(psutil.Error):
+                        for child in proc.children(recursive=True):
+                            known.setdefault(child.pid, child.create_time())
+            if not _processes(known):
+                return
+            time.sleep(0.05)
+
+
+def _rank_dir(log_dir: str, local_rank: int) -> str | None:
+    """The newest attempt's log directory of a local rank."""
+    dirs = glob.glob(os.path.join(log_dir, "*", "attempt_*", str(local_rank)))
+    if not dirs:
+        return None
+    return max(dirs, key=lambda d: int(os.path.basename(os.path.dirname(d)).split("_")[-1]))
+
+
+def _rank_error(log_dir: str | None, local_rank: int, exitcode: int | None) -> str | None:
+    """The failing rank's error: error.json's message, else the tail of its stderr log."""
+    prefix = f"exit code {exitcode}" if exitcode is not None else ""
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            prefix = f"killed by {signal.Signals(-exitcode).name}"
+    rank_dir = _rank_dir(log_dir, local_rank) if log_dir else None
+    if rank_dir is None:
+        return prefix or None
+    error_file = os.path.join(rank_dir, "error.json")
+    if os.path.isfile(error_file):
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            with open(error_file) as fh:
+                message = json.load(fh)["message"]
+            if isinstance(message, dict):
+                extra = message.get("extraInfo", {})
+                return f"{prefix}\n{extra.get('py_callstack') or message.get('message')}".strip()
+            return f"{prefix}\n{message}".strip()
+    stderr = os.path.join(rank_dir, "stderr.log")
+    if os.path.isfile(stderr):
+        with open(stderr, errors="replace") as fh:
+            tail = "".join(deque(fh, maxlen=30)).rstrip()
+        return f"{prefix}\n{tail}".strip()
+    return prefix or None
+
+
+def _root_cause(lines: Sequence[str]) -> tuple[int | None, int | None, int | None]:
+    """(rank, local_rank, exitcode) from torchrun's 'Root Cause' summary, if printed."""
+    rank = local_rank = exitcode = None
+    seen_root = False
+    for line in lines:
+        if "Root Cause" in line:
+            seen_root = True
+        elif seen_root and rank is None and (m := _ROOT_RANK.match(line)):
+            rank, local_rank = int(m.group(1)), int(m.group(2))
+        elif seen_root and rank is not None and (m := _ROOT_EXIT.match(line)):
+            exitcode = int(m.group(1))
+            break
+    return rank, local_rank, exitcode
+
+
+def run_torchrun(
+    spec: TorchrunSpec,
+    *,
+    timeout: float | None = None,
+    on_line: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+    log_dir: str | None = None,
+    check: bool = False,
+    grace: float = 5.0,
+    tail_lines: int = 200,
+) -> TorchrunResult:
+    """Run one torchrun agent to the end, streaming its combined output to `on_line`.
+
+    `on_line` runs in the calling thread; an exception from it cancels the run and propagates.
+    `timeout`/`cancel` end the process tree and mark the result. `check=True` raises
+    TorchrunError when the run did not succeed. Per-rank logs go to `log_dir` (a temporary
+    directory, deleted after a success, when not given).
+    """
+    own_logs = log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="splitstage-torchrun-") if own_logs else log_dir
+    os.makedirs(log_dir, exist_ok=True)
+    command = build_command(spec, log_dir=log_dir)
+    env = {**os.environ, **{k: str(v) for k, v in spec.env.items()}, "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    tail: deque[str] = deque(maxlen=tail_lines)
+    known: dict[int, float] = {}
+    known[proc.pid] = psutil.Process(proc.pid).create_time()
+    timed_out = cancelled = False
+    try:
+        timed_out, cancelled = _watch(proc, lines, tail, known, on_line, cancel, timeout)
+        if timed_out or cancelled:
+            kill_tree(proc.pid, known, grace)
+    except BaseException:
+        kill_tree(proc.pid, known, grace)
+        proc.wait()
+        raise
+    returncode = proc.wait()
+    kill_tree(None, known, grace=1.0)  # workers torchrun failed to stop
+    reader.join(timeout=2)
+    result = TorchrunResult(
+        command=command,
+        returncode=returncode,
+        output_tail=list(tail),
+        log_dir=log_dir,
+        timed_out=timed_out,
+        cancelled=cancelled,
+        seconds=time.monotonic() - started,
+    )
+    if not result.ok and not (timed_out or cancelled):
+        rank, local_rank, exitcode = _root_cause(result.output_tail)
+        result.failed_rank, result.failed_local_rank = rank, local_rank
+        if local_rank is not None:
+            result.error = _rank_error(log_dir, local_rank, exitcode)
+        else:
+            result.error = "\n".join(list(tail)[-30:])
+    if result.ok and own_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        result.log_dir = None
+    if check:
+        result.raise_for_status()
+    return result
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """Reader thread: move output lines into the queue; None marks the end of the stream."""
+    try:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+    finally:
+        lines.put(None)
+
+
+def _watch(proc, lines, tail, known, on_line, cancel, timeout) -> tuple[bool, bool]:
+    """Deliver lines until torchrun ends; return (timed_out, cancelled) when stopped early."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    next_snapshot = 0.0
+    eof, exited_at = False, None
+    while True:
+        if eof:
+            time.sleep(0.1)
+        else:
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            else:
+                if line is None:
+                    eof = True
+                else:
+                    tail.append(line)
+                    if on_line is not None:
+                        on_line(line)
+        now = time.monotonic()
+        if cancel is not None and cancel.is_set():
+            return False, True
+        if deadline is not None and now > deadline:
+            return True, False
+        if proc.poll() is None:
+            if now >= next_snapshot:
+                with contextlib.suppress(psutil.Error):
+                    _snapshot(psutil.Process(proc.pid), known)
+                next_snapshot = now + 0.5
+            continue
+        if eof:
+            return False, False
+        # torchrun is gone but a leaked worker may hold the pipe open: stop soon anyway.
+        exited_at = exited_at or now
+        if now - exited_at > 2.0 and lines.empty():
+            return False, False

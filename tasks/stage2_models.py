@@ -1,0 +1,138 @@
+"""Stage 2 models: only those of the offload plan, built on meta, adapted, parallelized, loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from pipelines import demo
+from pipelines.config import ConfigError, SplitstageConfig
+from tasks.distributed import DistInfo, build_mesh
+from tasks.job_plan import JobPlan
+from tasks.parallelize import parallelize
+from tasks.weights import materialize_and_load
+
+LORA_ADAPTER = "default"
+
+
+@dataclass
+class Stage2Models:
+    """The loaded models by name, which of them train, and the mesh they are sharded on."""
+
+    models: dict[str, nn.Module]
+    trained: list[str]
+    lora: bool
+    mode: str
+    dp_rank: int = 0  # which data-parallel replica this rank belongs to (TP ranks share data)
+    dp_size: int = 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter that receives gradients."""
+        models = [self.models[name] for name in self.trained]
+        return [p for model in models for p in model.parameters() if p.requires_grad]
+
+
+def parallel_mode(config: SplitstageConfig, world_size: int) -> tuple[str, int, int]:
+    """(mode, dp, tp) for this world size; errors name `train.parallelism` / `train.tp_degree`."""
+    mode = config.train.parallelism
+    tp = config.train.tp_degree if mode in ("tp", "fsdp+tp") else 1
+    if mode == "pp":
+        raise ConfigError(
+            "train.parallelism: 'pp' runs through the pipeline-parallel schedule, not this path"
+        )
+    if world_size % tp:
+        raise ConfigError(
+            f"train.tp_degree={tp} does not divide the world size {world_size} "
+            "(train.nnodes * train.nproc_per_node); pick a divisor"
+        )
+    if mode == "tp" and tp != world_size:
+        raise ConfigError(
+            f"train.parallelism='tp' needs train.tp_degree == world size ({world_size}), got {tp}; "
+            "use 'fsdp+tp' to combine"
+        )
+    if world_size == 1:
+        return "none", 1, 1
+    return mode, world_size // tp, tp
+
+
+def add_lora(model: nn.Module, config: SplitstageConfig) -> nn.Module:
+    """Inject LoRA adapters (peft) into the target modules; only the adapters train."""
+    trainable = config.trainable
+    targets = trainable.lora_target_modules
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise ConfigError(
+            f"trainable.lora_target_modules: {', '.join(unknown)} name no module of "
+            f"'{trainable.lora_base_model}'; e.g. to_q, to_k, to_v, to_out, fc1, fc2"
+        )
+    lora = LoraConfig(
+        r=trainable.lora_rank,
+        lora_alpha=trainable.lora_alpha or trainable.lora_rank,
+        target_modules=list(targets),
+        init_lora_weights=True,
+    )
+    model = inject_adapter_in_model(lora, model, adapter_name=LORA_ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def build_stage2_models(
+    config: SplitstageConfig, plan: JobPlan, dist_info: DistInfo, *, names: list[str] | None = None
+) -> Stage2Models:
+    """Build the stage-2 models (or `names`): frozen ones loaded plainly, trained ones sharded."""
+    names = list(names or plan.split.models["stage2"])
+    trained_names = [n for n in config.trainable.models() if n in names]
+    mode, dp, tp = parallel_mode(config, dist_info.world_size)
+    mesh = build_mesh(dp, tp, dist_info.world_size) if mode != "none" else None
+    models: dict[str, nn.Module] = {}
+    for name in names:
+        if name not in trained_names or name == "text_encoder":
+            model = demo.build_model(config, name, dist_info.device)
+            if name in trained_names:
+                model.requires_grad_(True)
+                if mode != "none":
+                    parallelize(model, mesh=mesh, mode="ddp" if mode == "ddp" else "fsdp")
+            models[name] = model
+            continue
+        model = demo.build_model(config, name, dist_info.device, load=False)
+        if name == config.trainable.lora_base_model:
+            model = add_lora(model, config)
+        else:
+            model.requires_grad_(True)
+        parallelize(model, mesh=mesh, mode=mode, tp_plan=demo.TP_PLANS.get(name))
+        source = demo.model_source(config, name)
+        materialize_and_load(
+            model,
+            source.weights,
+            strategy=config.train.weights_loading,
+            key_prefix=source.key_prefix,
+            buffers_init=_buffers_init,
+            device=dist_info.device,
+            adapter_seed=config.job.seed,
+        )
+        models[name] = model
+    for name, model in models.items():
+        if name not in trained_names:
+            model.eval().requires_grad_(False)
+    return Stage2Models(
+        models=models,
+        trained=trained_names,
+        lora=config.trainable.lora_base_model is not None,
+        mode=mode,
+        dp_rank=dist_info.rank // tp,  # the mesh is (dp, tp), row-major
+        dp_size=dp,
+    )
+
+
+def _buffers_init(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (positional tables) that to_empty left as garbage."""
+    for module in model.modules():
+        init = getattr(module, "init_non_persistent_buffers", None)
+        if callable(init):
+            with torch.no_grad():
+                init()

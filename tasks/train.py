@@ -1,0 +1,135 @@
+"""Stage 2 launch: write the run spec, start torchrun (1..N nodes), stream output, report."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import SplitstageConfig
+from tasks.job_plan import make_plan
+from tasks.launcher import TorchrunSpec, run_torchrun
+
+WORKER_MODULE = "tasks.train_worker"
+
+
+@dataclass
+class TrainReport:
+    """What a training run did and where its weights are."""
+
+    run_id: str
+    run_dir: str
+    output_url: str
+    checkpoint_url: str
+    outputs: dict[str, str] = field(default_factory=dict)
+    updates: int = 0
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    stall_seconds: float = 0.0
+    world_size: int = 1
+    mode: str = "split"
+    parallelism: str = "none"
+    models_loaded: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One-line summary for the CLI."""
+        loss = f"{self.losses[-1]:.5f}" if self.losses else "n/a"
+        return (
+            f"train {self.run_id}: {self.updates} updates on {self.world_size} rank(s) "
+            f"({self.mode}, {self.parallelism}), final loss {loss}, {self.seconds:.1f} s; "
+            f"weights: {', '.join(self.outputs.values()) or 'none'}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready report."""
+        return asdict(self)
+
+
+def run_paths(config: SplitstageConfig, run_id: str) -> dict[str, str]:
+    """Where a run writes: local run dir (spec, metrics), output URL, checkpoint URL."""
+    output = f"{config.output.url.rstrip('/')}/{run_id}"
+    checkpoints = config.train.checkpoint_url or f"{output}/checkpoints"
+    return {
+        "run_dir": str(Path("runs") / "train" / run_id),
+        "output_url": output,
+        "checkpoint_url": checkpoints,
+    }
+
+
+def write_spec(
+    config: SplitstageConfig,
+    run_id: str,
+    cache_key: str | None,
+    run_dir: Path,
+    paths: dict[str, str],
+) -> Path:
+    """The JSON every rank reads (no pickle): config, cache key, where to write."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "config": config.model_dump(mode="json"),
+        "cache_key": cache_key,
+        "run_id": run_id,
+        **paths,
+        "run_dir": str(run_dir.resolve()),
+    }
+    path = run_dir / "spec.json"
+    path.write_text(json.dumps(spec, indent=2))
+    return path
+
+
+def torchrun_spec(config: SplitstageConfig, spec_path: Path, node_rank: int = 0) -> TorchrunSpec:
+    """torchrun settings from `train.*`: nodes, processes per node, c10d rendezvous, restarts."""
+    train = config.train
+    return TorchrunSpec(
+        module_or_script=WORKER_MODULE,
+        args=[str(spec_path.resolve())],
+        nnodes=train.nnodes,
+        nproc_per_node=train.nproc_per_node,
+        node_rank=node_rank,
+        rdzv_endpoint=train.rdzv_endpoint,
+        rdzv_id=config.job.name,
+        max_restarts=train.max_restarts,
+    )
+
+
+def train(
+    config: SplitstageConfig,
+    *,
+    run_id: str | None = None,
+    node_rank: int = 0,
+    on_line: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+    timeout: float | None = None,
+) -> TrainReport:
+    """Run stage 2 under torchrun to the end (resuming from the latest checkpoint) and report."""
+    run_id = run_id or config.job.name
+    plan = make_plan(config)
+    cache_key = None if config.train.mode == "unsplit" else plan.cache_key
+    paths = run_paths(config, run_id)
+    run_dir = Path(paths["run_dir"])
+    spec_path = write_spec(config, run_id, cache_key, run_dir, paths)
+    metrics = run_dir / "metrics.jsonl"
+    result_file = run_dir / "result.json"
+    result_file.unlink(missing_ok=True)
+    metrics.unlink(missing_ok=True)
+    result = run_torchrun(
+        torchrun_spec(config, spec_path, node_rank),
+        timeout=timeout,
+        on_line=on_line or print,
+        cancel=cancel,
+        check=True,
+    )
+    del result
+    figures = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    return TrainReport(
+        run_id=run_id, run_dir=str(run_dir), **paths_without_run_dir(paths), **figures
+    )
+
+
+def paths_without_run_dir(paths: dict[str, str]) -> dict[str, str]:
+    """Output and checkpoint URLs."""
+    return {k: v for k, v in paths.items() if k != "run_dir"}

@@ -1,0 +1,251 @@
+"""Stage 2, one rank: run V1 + the denoiser on cached boundary params, backprop, checkpoint, export.
+
+Started by torchrun through `tasks.train.launch_training`:
+    torchrun --nproc-per-node N -m tasks.train_worker RUN_DIR/spec.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from pipelines import demo
+from pipelines.config import ConfigError, SplitstageConfig
+from pipelines.runtime import StepContext, run_units
+from tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tasks.device import pick_dtype
+from tasks.distributed import DistInfo, close_distributed, init_distributed
+from tasks.export import export_weights
+from tasks.job_plan import JobPlan, make_plan
+from tasks.preprocess import open_cache
+from tasks.stage2_models import Stage2Models, build_stage2_models
+from tasks.train_data import CachedBatches, RawBatches
+
+
+def step_generator(seed: int, rank: int, batch_index: int, device: torch.device) -> torch.Generator:
+    """Per-step randomness (noise, timesteps, dropout) from (seed, rank, batch): resumable."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + batch_index)
+    return generator
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Move tensors of a batch to the training device."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class Trainer:
+    """The training loop of one rank; `run()` trains to the end and returns the figures."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+        self.config = SplitstageConfig.model_validate(spec["config"])
+        self.dist: DistInfo = init_distributed()
+        self.plan: JobPlan = make_plan(self.config)
+        train = self.config.train
+        dtype = pick_dtype(train.mixed_precision, self.dist.device)
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+        self.accelerator = Accelerator(
+            cpu=self.dist.device.type == "cpu",
+            mixed_precision=precision,
+            gradient_accumulation_steps=train.gradient_accumulation_steps,
+        )
+        self.unsplit = train.mode == "unsplit"
+        names = list(demo.MODEL_NAMES) if self.unsplit else None
+        self.stage2: Stage2Models = build_stage2_models(
+            self.config, self.plan, self.dist, names=names
+        )
+        # Unsplit runs every unit in pipeline order each step; split runs only V1.
+        self.units = list(self.plan.units) if self.unsplit else self.plan.v1_units
+        self.source = (
+            RawBatches(self.config, self.stage2.dp_rank, self.stage2.dp_size)
+            if self.unsplit
+            else CachedBatches(
+                self.config,
+                open_cache(self.config, self.plan, spec.get("cache_key")),
+                self.stage2.dp_rank,
+                self.stage2.dp_size,
+            )
+        )
+        params = self.stage2.parameters()
+        if not params:
+            raise ConfigError(
+                "no parameter requires gradients: set trainable.full or trainable.lora_base_model"
+            )
+        self.optimizer = torch.optim.AdamW(
+            params, lr=train.learning_rate, weight_decay=train.weight_decay
+        )
+        warmup = train.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.prepared_optimizer = self.accelerator.prepare(self.optimizer)
+        steps_per_epoch = self.source.steps_per_epoch()
+        if steps_per_epoch < train.gradient_accumulation_steps:
+            raise ValueError(
+                f"{steps_per_epoch} batches per rank per epoch (train.batch_size="
+                f"{train.batch_size}, {self.stage2.dp_size} data-parallel replicas) is fewer than "
+                f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}"
+            )
+        self.updates_per_epoch = steps_per_epoch // train.gradient_accumulation_steps
+        total = self.updates_per_epoch * train.epochs
+        self.total_updates = min(total, train.max_steps) if train.max_steps else total
+        self.checkpoint_url = spec["checkpoint_url"]
+        self.run_dir = Path(spec["run_dir"])
+        self.losses: list[float] = []
+        self.step_seconds: list[float] = []
+
+    # -- one update ----------------------------------------------------------------------------
+    def micro_step(self, batch: dict[str, Any], batch_index: int) -> torch.Tensor:
+        """V1 units then the loss on one batch; backward through the trained weights."""
+        ctx = StepContext(
+            models=self.stage2.models,
+            device=self.dist.device,
+            # Same draws on the tensor-parallel ranks of one replica, different across replicas.
+            generator=step_generator(
+                self.config.job.seed, self.stage2.dp_rank, batch_index, self.dist.device
+            ),
+            settings=demo.settings(self.config),
+        )
+        inputs = to_device(batch, self.dist.device)
+        with self.accelerator.autocast():
+            run_units(self.units, ctx, inputs)
+            loss = demo.training_loss(ctx, inputs)
+        self.accelerator.backward(loss / self.config.train.gradient_accumulation_steps)
+        return loss.detach()
+
+    def mean_across_ranks(self, value: torch.Tensor) -> float:
+        """The loss averaged over ranks, for logging."""
+        if dist.is_initialized() and self.dist.world_size > 1:
+            value = value.clone().to(self.dist.device)
+            dist.all_reduce(value)
+            value /= self.dist.world_size
+        return float(value)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save(self, update: int) -> None:
+        """Checkpoint model, optimizer, scheduler and data position (collective)."""
+        model = self.stage2.models[self.stage2.trained[0]]
+        save_checkpoint(
+            self.checkpoint_url,
+            update,
+            model,
+            [self.optimizer],
+            {"scheduler": self.scheduler.state_dict(), "update": update, "losses": self.losses},
+            keep_last=self.config.train.keep_checkpoints,
+            lora_only=self.stage2.lora,
+            storage_options=self.spec.get("checkpoint_storage_options"),
+        )
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint, if any; return the update to continue from."""
+        options = self.spec.get("checkpoint_storage_options")
+        step = latest_checkpoint(self.checkpoint_url, storage_options=options)
+        if step is None:
+            return 0
+        model = self.stage2.models[self.stage2.trained[0]]
+        extra = load_checkpoint(
+            self.checkpoint_url, step, model, [self.optimizer], storage_options=options
+        )
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.losses = list(extra.get("losses", []))
+        self.log(f"resumed from checkpoint step {step}")
+        return int(extra["update"])
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def log(self, line: str) -> None:
+        """Rank 0 prints a line the launcher streams (and Prefect shows)."""
+        if self.dist.is_main:
+            print(line, flush=True)
+
+    def record(self, update: int, loss: float, seconds: float) -> None:
+        """Append one update's figures to metrics.jsonl (rank 0)."""
+        self.losses.append(loss)
+        self.step_seconds.append(seconds)
+        if self.dist.is_main:
+            with (self.run_dir / "metrics.jsonl").open("a") as handle:
+                lr = self.scheduler.get_last_lr()[0]
+                handle.write(json.dumps({"update": update, "loss": loss, "lr": lr, "s": seconds}))
+                handle.write("\n")
+
+    def run(self) -> dict[str, Any]:
+        """Train from the latest checkpoint to the end, then export the weights (rank 0)."""
+        train = self.config.train
+        accum = train.gradient_accumulation_steps
+        update = self.resume()
+        started = time.perf_counter()
+        if len(self.trained_models()) > 1:
+            raise ValueError("training more than one model at once is not supported yet")
+        for model in self.trained_models():
+            model.train()
+        while update < self.total_updates:
+            epoch, in_epoch = divmod(update, self.updates_per_epoch)
+            batches = self.source.iterate(epoch, start_batch=in_epoch * accum)
+            for micro, batch in enumerate(batches, start=in_epoch * accum):
+                if micro % accum == 0:
+                    t0 = time.perf_counter()
+                batch_index = epoch * self.updates_per_epoch * accum + micro
+                model = self.trained_models()[0]
+                with self.accelerator.accumulate(model):
+                    loss = self.micro_step(batch, batch_index)
+                    self.prepared_optimizer.step()
+                    self.prepared_optimizer.zero_grad(set_to_none=True)
+                if (micro + 1) % accum:
+                    continue
+                self.scheduler.step()
+                update += 1
+                seconds = time.perf_counter() - t0
+                mean = self.mean_across_ranks(loss)
+                self.record(update, mean, seconds)
+                if update % train.log_every == 0 or update == self.total_updates:
+                    self.log(
+                        f"update {update}/{self.total_updates} epoch {epoch} loss {mean:.5f} "
+                        f"{seconds:.3f}s/update"
+                    )
+                if update % train.checkpoint_every == 0 or update == self.total_updates:
+                    self.save(update)
+                if update >= self.total_updates or (micro + 1) // accum >= self.updates_per_epoch:
+                    break
+        elapsed = time.perf_counter() - started
+        outputs = export_weights(self.config, self.stage2, self.spec)
+        result = {
+            "updates": update,
+            "losses": self.losses,
+            "seconds": elapsed,
+            "step_seconds": self.step_seconds,
+            "stall_seconds": self.source.stall_seconds,
+            "world_size": self.dist.world_size,
+            "mode": self.config.train.mode,
+            "parallelism": self.stage2.mode,
+            "models_loaded": sorted(self.stage2.models),
+            "outputs": outputs,
+        }
+        if self.dist.is_main:
+            (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    def trained_models(self) -> list[torch.nn.Module]:
+        """The modules being trained."""
+        return [self.stage2.models[name] for name in self.stage2.trained]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point under torchrun: read the run spec, train, leave the process group."""
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        Trainer(spec).run()
+    finally:
+        close_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Small torchrun workers for the launcher tests.
+
+Run: torchrun --nproc-per-node=2 tests/integration/workers/launch_worker.py MODE
+MODE: fail (rank 1 raises), fail-record (same under torchelastic's @record), sleep (print pids,
+spawn a grandchild, sleep forever), allreduce (gloo all_reduce of ranks, print the sum).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def fail() -> None:
+    """Rank 1 raises a ValueError; rank 0 waits to be stopped."""
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} starting", flush=True)
+    if rank == 1:
+        raise ValueError("boom-rank1: bad value in the worker")
+    time.sleep(30)  # torchrun stops this rank once rank 1 failed
+
+
+def sleep() -> None:
+    """Print this worker's and a grandchild's pid, then hang."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"PIDS {os.getpid()} {child.pid}", flush=True)
+    time.sleep(600)
+
+
+def allreduce() -> None:
+    """Sum the ranks over gloo and print world size, rank and sum."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    print(
+        f"WORLD {dist.get_world_size()} RANK {dist.get_rank()} SUM {int(value.item())}", flush=True
+    )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Dispatch on MODE."""
+    mode = sys.argv[1]
+    if mode == "fail-record":
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(fail)()
+        return
+    {"fail": fail, "sleep": sleep, "allreduce": allreduce}[mode]()
+
+
+if __name__ == "__main__":
+    main()
