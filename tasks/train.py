@@ -9,9 +9,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines import demo
 from pipelines.config import SplitstageConfig
 from tasks.job_plan import make_plan
 from tasks.launcher import TorchrunSpec, run_torchrun
+from tasks.stage2_models import parallel_mode
 
 WORKER_MODULE = "tasks.train_worker"
 
@@ -49,12 +51,12 @@ class TrainReport:
         return asdict(self)
 
 
-def run_paths(config: SplitstageConfig, run_id: str) -> dict[str, str]:
+def run_paths(config: SplitstageConfig, run_id: str, run_root: str | Path = "runs/train") -> dict:
     """Where a run writes: local run dir (spec, metrics), output URL, checkpoint URL."""
     output = f"{config.output.url.rstrip('/')}/{run_id}"
     checkpoints = config.train.checkpoint_url or f"{output}/checkpoints"
     return {
-        "run_dir": str(Path("runs") / "train" / run_id),
+        "run_dir": str(Path(run_root) / run_id),
         "output_url": output,
         "checkpoint_url": checkpoints,
     }
@@ -75,13 +77,21 @@ def write_spec(
         "run_id": run_id,
         **paths,
         "run_dir": str(run_dir.resolve()),
+        # Checkpoints and outputs on object storage use the cache's endpoint options;
+        # credentials come from the environment, never from the spec.
+        "checkpoint_storage_options": config.cache.storage_options or None,
     }
     path = run_dir / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
     return path
 
 
-def torchrun_spec(config: SplitstageConfig, spec_path: Path, node_rank: int = 0) -> TorchrunSpec:
+def torchrun_spec(
+    config: SplitstageConfig,
+    spec_path: Path,
+    node_rank: int = 0,
+    env: dict[str, str] | None = None,
+) -> TorchrunSpec:
     """torchrun settings from `train.*`: nodes, processes per node, c10d rendezvous, restarts."""
     train = config.train
     return TorchrunSpec(
@@ -93,7 +103,19 @@ def torchrun_spec(config: SplitstageConfig, spec_path: Path, node_rank: int = 0)
         rdzv_endpoint=train.rdzv_endpoint,
         rdzv_id=config.job.name,
         max_restarts=train.max_restarts,
+        env=dict(env or {}),
     )
+
+
+def check_before_launch(config: SplitstageConfig, plan) -> None:
+    """Refuse configs that would fail inside every rank: bad mesh, missing weights files."""
+    world = config.train.nnodes * config.train.nproc_per_node
+    parallel_mode(config, world)
+    names = demo.MODEL_NAMES if config.train.mode == "unsplit" else plan.split.models["stage2"]
+    for name in names:
+        source = demo.model_source(config, name)
+        if source.weights:
+            demo.check_weights_file(source.weights, f"models.{name}.weights")
 
 
 def train(
@@ -101,6 +123,8 @@ def train(
     *,
     run_id: str | None = None,
     node_rank: int = 0,
+    run_root: str | Path = "runs/train",
+    env: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     timeout: float | None = None,
@@ -108,22 +132,22 @@ def train(
     """Run stage 2 under torchrun to the end (resuming from the latest checkpoint) and report."""
     run_id = run_id or config.job.name
     plan = make_plan(config)
+    check_before_launch(config, plan)
     cache_key = None if config.train.mode == "unsplit" else plan.cache_key
-    paths = run_paths(config, run_id)
+    paths = run_paths(config, run_id, run_root)
     run_dir = Path(paths["run_dir"])
     spec_path = write_spec(config, run_id, cache_key, run_dir, paths)
     metrics = run_dir / "metrics.jsonl"
     result_file = run_dir / "result.json"
     result_file.unlink(missing_ok=True)
     metrics.unlink(missing_ok=True)
-    result = run_torchrun(
-        torchrun_spec(config, spec_path, node_rank),
+    run_torchrun(
+        torchrun_spec(config, spec_path, node_rank, env),
         timeout=timeout,
         on_line=on_line or print,
         cancel=cancel,
         check=True,
     )
-    del result
     figures = json.loads(result_file.read_text()) if result_file.is_file() else {}
     return TrainReport(
         run_id=run_id, run_dir=str(run_dir), **paths_without_run_dir(paths), **figures

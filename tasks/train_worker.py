@@ -7,6 +7,8 @@ Started by torchrun through `tasks.train.launch_training`:
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,16 @@ def step_generator(seed: int, rank: int, batch_index: int, device: torch.device)
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + batch_index)
     return generator
+
+
+def injected_fault() -> tuple[int, int] | None:
+    """SPLITSTAGE_FAULT_KILL=RANK:UPDATE makes that rank SIGKILL itself after that update
+    (fault-injection tests: a real crash at a known point, not a simulated one)."""
+    value = os.environ.get("SPLITSTAGE_FAULT_KILL")
+    if not value:
+        return None
+    rank, update = value.split(":")
+    return int(rank), int(update)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -101,6 +113,7 @@ class Trainer:
         self.run_dir = Path(spec["run_dir"])
         self.losses: list[float] = []
         self.step_seconds: list[float] = []
+        self.fault = injected_fault()
 
     # -- one update ----------------------------------------------------------------------------
     def micro_step(self, batch: dict[str, Any], batch_index: int) -> torch.Tensor:
@@ -201,6 +214,8 @@ class Trainer:
                     continue
                 self.scheduler.step()
                 update += 1
+                if self.fault == (self.dist.rank, update):
+                    os.kill(os.getpid(), signal.SIGKILL)
                 seconds = time.perf_counter() - t0
                 mean = self.mean_across_ranks(loss)
                 self.record(update, mean, seconds)
