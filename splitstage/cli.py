@@ -105,6 +105,44 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Stage 2: launch torchrun for this node, stream its output, print a summary."""
+    from pipelines.config import load_config
+    from tasks.launcher import TorchrunError
+    from tasks.train import train
+
+    config = load_config(args.config)
+    if args.nproc_per_node:
+        config.train.nproc_per_node = args.nproc_per_node
+    if args.mode:
+        config.train.mode = args.mode
+    try:
+        report = train(config, run_id=args.run_id, node_rank=args.node_rank)
+    except TorchrunError as error:
+        print(f"splitstage: training failed: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.line())
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Show or check the cache of a job: statistics, or every shard's size and checksum."""
+    from pipelines.config import load_config
+    from tasks.job_plan import make_plan
+    from tasks.preprocess import open_cache
+
+    config = load_config(args.config)
+    store = open_cache(config, make_plan(config))
+    if args.action == "stats":
+        stats = store.stats()
+        print(json.dumps({"url": store.url, **stats.__dict__}, indent=2, default=str))
+        return 0
+    report = store.verify()
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
+
+
 def cmd_data_digits(args: argparse.Namespace) -> int:
     """Write scikit-learn's handwritten digits as a DiffSynth-format image-caption data set."""
     from pipelines.digits import write_digits_dataset
@@ -177,6 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--workers", type=int, help="local worker processes (default: config)")
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
     pre.set_defaults(run=cmd_preprocess)
+
+    tr = sub.add_parser("train", help="stage 2: train V1 + the denoiser from the cache (torchrun)")
+    tr.add_argument("config", metavar="CONFIG.toml")
+    tr.add_argument("--run-id", help="names outputs and checkpoints (default: job.name)")
+    tr.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node)")
+    tr.add_argument("--nproc-per-node", type=int, help="override train.nproc_per_node")
+    tr.add_argument("--mode", choices=("split", "unsplit"), help="override train.mode")
+    tr.add_argument("--json", action="store_true", help="print the report as JSON")
+    tr.set_defaults(run=cmd_train)
+
+    cache = sub.add_parser("cache", help="inspect a job's stage-1 cache")
+    cache.add_argument("action", choices=("stats", "verify"))
+    cache.add_argument("config", metavar="CONFIG.toml")
+    cache.set_defaults(run=cmd_cache)
 
     data = sub.add_parser("data", help="example data sets")
     data_sub = data.add_subparsers(dest="dataset", required=True, metavar="DATASET")

@@ -8,6 +8,7 @@ writes shards of `cache.shard_samples` samples (bounded memory), each committed 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -215,6 +216,10 @@ def _flush(store: CacheStore, buffer: dict, count: int, report: ShardReport) -> 
     info = store.write_shard({key: buffer.pop(key) for key in keys})
     report.bytes_written += info.nbytes
     report.shards_written += 1
+    # Fault injection for tests: SPLITSTAGE_FAULT_KILL_AFTER_SHARDS=N kills this worker for real.
+    limit = os.environ.get("SPLITSTAGE_FAULT_KILL_AFTER_SHARDS")
+    if limit and report.shards_written >= int(limit):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex):
