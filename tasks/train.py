@@ -36,6 +36,8 @@ class TrainReport:
     mode: str = "split"
     parallelism: str = "none"
     models_loaded: list[str] = field(default_factory=list)
+    peak_rss_mb: float = 0.0  # rank 0's peak resident memory
+    baseline_rss_mb: float = 0.0  # rank 0's resident memory after imports, before models
 
     def line(self) -> str:
         """One-line summary for the CLI."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -48,6 +49,15 @@ def injected_fault() -> tuple[int, int] | None:
     return int(rank), int(update)
 
 
+def current_rss_mb() -> float:
+    """Resident memory of this process now (Linux /proc; 0 where unavailable)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Move tensors of a batch to the training device."""
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -57,6 +67,7 @@ class Trainer:
     """The training loop of one rank; `run()` trains to the end and returns the figures."""
 
     def __init__(self, spec: dict[str, Any]):
+        self.baseline_rss_mb = current_rss_mb()  # after imports, before any model is built
         self.spec = spec
         self.config = SplitstageConfig.model_validate(spec["config"])
         self.dist: DistInfo = init_distributed()
@@ -240,6 +251,8 @@ class Trainer:
             "mode": self.config.train.mode,
             "parallelism": self.stage2.mode,
             "models_loaded": sorted(self.stage2.models),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "baseline_rss_mb": self.baseline_rss_mb,
             "outputs": outputs,
         }
         if self.dist.is_main:
