@@ -174,6 +174,12 @@ def _sole_owner(value: torch.Tensor, seen: set[int]) -> torch.Tensor:
     return t
 
 
+def _digest(t: torch.Tensor) -> bytes:
+    """Content hash of a contiguous CPU tensor's bytes."""
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
 def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[str, Any]]:
     """Serialise samples into safetensors bytes; return them and the index's per-sample specs."""
     if not samples:
@@ -182,6 +188,7 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
     values: dict[str, dict[str, Any]] = {}
     specs: dict[str, dict[str, Any]] = {}
     seen_storage: set[int] = set()
+    by_content: dict[tuple, str] = {}  # identical tensors (e.g. the empty-prompt embedding)
     for key in sorted(samples):
         _check_name("sample key", key)
         params = samples[key]
@@ -194,8 +201,14 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
                 raise TypeError(f"sample {key!r} has a param name {param!r}; use a non-empty str")
             if isinstance(value, torch.Tensor):
                 t = _sole_owner(value, seen_storage)
-                tensors[f"{key}/{param}"] = t
-                specs[key][param] = {"dtype": str(t.dtype)[6:], "shape": list(t.shape)}
+                spec = {"dtype": str(t.dtype)[6:], "shape": list(t.shape)}
+                content = (spec["dtype"], tuple(t.shape), _digest(t))
+                if content in by_content:  # stored once per shard, named by every sample
+                    spec["same_as"] = by_content[content]
+                else:
+                    by_content[content] = f"{key}/{param}"
+                    tensors[f"{key}/{param}"] = t
+                specs[key][param] = spec
             else:
                 _check_json(value, f"param {param!r} of sample {key!r}")
                 values.setdefault(key, {})[param] = value
@@ -223,7 +236,7 @@ def decode_shard(data: bytes, entry: IndexEntry) -> dict[str, dict[str, Any]]:
             if spec == "json":
                 sample[param] = values[key][param]
             else:
-                sample[param] = tensors[f"{key}/{param}"]
+                sample[param] = tensors[spec.get("same_as", f"{key}/{param}")]
         out[key] = sample
     return out
 

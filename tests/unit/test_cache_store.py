@@ -128,6 +128,19 @@ def test_round_trip_every_dtype_json_and_views(cache_url):
     assert (stats.samples, stats.shards, stats.bytes, stats.duplicates) == (2, 1, info.nbytes, 0)
 
 
+def test_identical_tensors_are_stored_once_per_shard(cache_url):
+    empty = torch.randn(16, 384)  # like the empty-prompt embedding every sample carries
+    samples = {
+        key_of(i): {"empty": empty.clone(), "own": torch.full((4,), float(i))} for i in range(8)
+    }
+    store = CacheStore(cache_url, "dedupe")
+    info = store.write_shard(samples)
+    assert info.nbytes < 2 * empty.nbytes  # 8 copies would take 8x
+    back = store.read_samples(list(samples))
+    for key, sample in samples.items():
+        assert_same(back[key], sample)
+
+
 def test_index_entry_lists_specs_and_checksum(tmp_path):
     store = CacheStore(str(tmp_path), "ck")
     info = store.write_shard(make_samples([3]))
