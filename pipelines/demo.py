@@ -229,6 +229,28 @@ def check_weights_file(path: str, field_name: str) -> None:
         )
 
 
+TEXT_ENCODER_BUILDERS = ("minilm", "tiny")
+
+
+def check_models(config: SplitstageConfig, names: Sequence[str] = MODEL_NAMES) -> None:
+    """Every named model has a usable source: an existing weights file or a known builder."""
+    for name in names:
+        if name not in MODEL_NAMES:
+            raise ConfigError(
+                f"models.{name}: the demo pipeline has no model '{name}'; its models are "
+                f"{', '.join(MODEL_NAMES)}"
+            )
+        source = model_source(config, name)
+        if source.weights is not None:
+            check_weights_file(source.weights, f"models.{name}.weights")
+        elif name != "text_encoder" or source.builder not in TEXT_ENCODER_BUILDERS:
+            allowed = ", ".join(TEXT_ENCODER_BUILDERS) if name == "text_encoder" else "none"
+            raise ConfigError(
+                f"models.{name}.builder: unknown builder {source.builder!r} (built-in builders "
+                f"for {name}: {allowed}); or give weights = 'path/to/{name}.safetensors'"
+            )
+
+
 def model_fn(ctx: StepContext, inputs: Mapping[str, Any]) -> torch.Tensor:
     """The denoiser: velocity prediction for noisy latents at timestep t given the prompt."""
     dit = ctx.model("dit", "model_fn")

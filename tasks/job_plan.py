@@ -67,4 +67,6 @@ def make_plan(config: SplitstageConfig) -> JobPlan:
     units = tuple(demo.units())
     pipeline = demo.pipeline_spec()
     split = plan_split(pipeline, config.trainable.models())
+    for name in config.models:
+        demo.check_models(config, [name])
     return JobPlan(config=config, pipeline=pipeline, units=units, split=split)

@@ -9,6 +9,7 @@ is content-addressed already, and training resumes from its own checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from tasks.preprocess import (
 from tasks.storage import StorageUnreachableError
 from tasks.train import TrainReport, train
 
+_import_lock = threading.Lock()
 IO_RETRIES = 2
 IO_RETRY_DELAYS = [2.0, 10.0]
 # OSErrors that name a wrong path or a refused permission: retrying cannot fix them.
@@ -43,7 +45,7 @@ def is_transient_io_error(exc: BaseException | None) -> bool:
     """True for I/O failures worth retrying: connection, timeout, unreachable storage."""
     if isinstance(exc, StorageUnreachableError | ConnectionError | TimeoutError):
         return True
-    if isinstance(exc, UserError | _PERMANENT_OS_ERRORS):
+    if isinstance(exc, (UserError, *_PERMANENT_OS_ERRORS)):
         return False
     return isinstance(exc, OSError)
 
@@ -70,6 +72,16 @@ def _io_task(name: str, timeout_seconds: float | None, **options):
         timeout_seconds=timeout_seconds,
         **options,
     )
+
+
+def warm_lazy_imports() -> None:
+    """Import transformers' Auto classes once, under a lock, before shards load models in threads.
+
+    transformers resolves them lazily, and two threads doing the first import at once fail with
+    "ImportError: cannot import name 'AutoModel' from 'transformers'".
+    """
+    with _import_lock, contextlib.suppress(ImportError):
+        from transformers import AutoModel, AutoTokenizer  # noqa: F401
 
 
 @_io_task("plan", timeout_seconds=600)
@@ -117,6 +129,7 @@ def preprocess_shard_task(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ShardReport:
     """Compute and cache the V2 outputs of one shard's samples that are not cached yet."""
+    warm_lazy_imports()
     return preprocess_shard(
         config, shard, num_shards, plan=plan, data=data, progress=False, on_progress=on_progress
     )
@@ -183,7 +196,7 @@ def finish_preprocess(
     workers: int,
     started: float,
 ) -> PreprocessReport:
-    """Verify the cache holds every sample, write its manifest, report (see summarize_preprocess)."""
+    """Verify the cache holds every sample, write its manifest and report what was done."""
     result = summarize_preprocess(config, plan, data, reports, before, workers)
     result.seconds = time.perf_counter() - started
     return result

@@ -114,10 +114,7 @@ def check_before_launch(config: SplitstageConfig, plan) -> None:
     world = config.train.nnodes * config.train.nproc_per_node
     parallel_mode(config, world)
     names = demo.MODEL_NAMES if config.train.mode == "unsplit" else plan.split.models["stage2"]
-    for name in names:
-        source = demo.model_source(config, name)
-        if source.weights:
-            demo.check_weights_file(source.weights, f"models.{name}.weights")
+    demo.check_models(config, names)
 
 
 def train(

@@ -160,10 +160,15 @@ def _suggest_prefix(missing: set[str], file_keys: list[str], key_prefix: str) ->
     return None
 
 
-def _check_keys(file: _PretrainedFile, shapes: dict[str, tuple], required: set[str]) -> None:
+def _check_keys(
+    file: _PretrainedFile,
+    shapes: dict[str, tuple],
+    required: set[str],
+    ignore_unexpected: bool = False,
+) -> None:
     """Raise a WeightsError naming missing/unexpected keys (with a key_prefix hint) and shapes."""
     missing = required - set(file.keys)
-    unexpected = set(file.keys) - set(shapes)
+    unexpected = set() if ignore_unexpected else set(file.keys) - set(shapes)
     if missing or unexpected:
         lines = [f"weights file {file.path} does not match the model"]
         if file.key_prefix:
@@ -285,14 +290,14 @@ def _raise_agreed(error: Exception | None) -> None:
     raise WeightsError(message)
 
 
-def _open_and_check(path, key_prefix, shapes, required) -> _PretrainedFile:
+def _open_and_check(path, key_prefix, shapes, required, ignore_unexpected) -> _PretrainedFile:
     """Open the file and validate its keys and shapes against the model."""
     if not os.path.isfile(path):
         raise WeightsFileNotFoundError(
             f"pretrained weights file {path} does not exist; check the weights path in the config"
         )
     file = _PretrainedFile(path, key_prefix)
-    _check_keys(file, shapes, required)
+    _check_keys(file, shapes, required, ignore_unexpected)
     return file
 
 
@@ -305,6 +310,7 @@ def materialize_and_load(
     buffers_init: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     adapter_seed: int = 0,
+    ignore_unexpected: bool = False,
 ) -> LoadReport:
     """Allocate a meta model on `device` and fill it from one file; the same on every layout.
 
@@ -312,7 +318,8 @@ def materialize_and_load(
     A model that is not on the meta device is loaded in place.
     Only file keys starting with `key_prefix` are read, with the prefix removed.
     `buffers_init(model)` recomputes non-persistent buffers (RoPE tables...) that `to_empty`
-    leaves uninitialized.
+    leaves uninitialized. `ignore_unexpected=True` accepts file keys the model lacks (a pipeline
+    stage holds only some of the file's modules); missing keys are still errors.
     """
     path = os.fspath(path)
     if strategy not in STRATEGIES:
@@ -331,7 +338,7 @@ def materialize_and_load(
     file, error = None, None
     if reads_file:
         try:
-            file = _open_and_check(path, key_prefix, shapes, required)
+            file = _open_and_check(path, key_prefix, shapes, required, ignore_unexpected)
         except Exception as exc:
             error = exc
     _raise_agreed(error)

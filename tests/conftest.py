@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import urllib.request
@@ -72,3 +73,35 @@ def s3_bucket(s3_endpoint: str) -> Iterator[tuple[str, dict]]:
         yield f"s3://{S3_BUCKET}/prefix", options
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_auth(s3_bucket, s3_endpoint):
+    """Turn on moto's credential checks; yield (url, opts(user, secret=None) -> options)."""
+    import boto3
+
+    url, options = s3_bucket
+    iam = boto3.client(
+        "iam",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="key",
+        aws_secret_access_key="secret",
+    )
+    allow_all = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+    policy = {"Version": "2012-10-17", "Statement": [allow_all]}
+    creds = {}
+    for user in ("writer", "nobody"):
+        iam.create_user(UserName=user)
+        creds[user] = iam.create_access_key(UserName=user)["AccessKey"]
+    iam.put_user_policy(UserName="writer", PolicyName="all", PolicyDocument=json.dumps(policy))
+
+    def opts(user: str, secret: str | None = None) -> dict:
+        c = creds[user]
+        return {**options, "key": c["AccessKeyId"], "secret": secret or c["SecretAccessKey"]}
+
+    _post(f"{s3_endpoint}/moto-api/reset-auth", b"0")
+    try:
+        yield url, opts
+    finally:
+        _post(f"{s3_endpoint}/moto-api/reset-auth", b"inf")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -19,7 +18,6 @@ from tasks.storage import (
     open_fs,
     write_chains,
 )
-from tests.conftest import _post
 from tests.unit.test_cache_store import (
     assert_same,
     key_of,
@@ -148,38 +146,6 @@ def test_write_chains_never_writes_past_a_failure(s3_bucket):
         f"{root}/shard-ok": b"s",
         f"{root}/index-ok": b"i",
     }
-
-
-@pytest.fixture
-def s3_auth(s3_bucket, s3_endpoint):
-    """Turn on moto's credential checks; yield (url, opts(user, secret=None) -> options)."""
-    import boto3
-
-    url, options = s3_bucket
-    iam = boto3.client(
-        "iam",
-        endpoint_url=s3_endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="key",
-        aws_secret_access_key="secret",
-    )
-    allow_all = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
-    policy = {"Version": "2012-10-17", "Statement": [allow_all]}
-    creds = {}
-    for user in ("writer", "nobody"):
-        iam.create_user(UserName=user)
-        creds[user] = iam.create_access_key(UserName=user)["AccessKey"]
-    iam.put_user_policy(UserName="writer", PolicyName="all", PolicyDocument=json.dumps(policy))
-
-    def opts(user: str, secret: str | None = None) -> dict:
-        c = creds[user]
-        return {**options, "key": c["AccessKeyId"], "secret": secret or c["SecretAccessKey"]}
-
-    _post(f"{s3_endpoint}/moto-api/reset-auth", b"0")
-    try:
-        yield url, opts
-    finally:
-        _post(f"{s3_endpoint}/moto-api/reset-auth", b"inf")
 
 
 def test_wrong_credentials_and_no_permission(s3_auth):

@@ -1,0 +1,263 @@
+"""The bad-input catalogue: every case prints ONE line naming the thing and the fix, exits 2.
+
+Each case runs the real CLI entry point (`splitstage.cli.main`) in-process; a few run it as a
+subprocess to prove no traceback reaches the terminal. The README's troubleshooting section lists
+the same cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.digits import write_digits_dataset
+from pipelines.models import build_demo_weights
+from splitstage.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("catalogue")
+    write_digits_dataset(root / "data", limit=6)
+    build_demo_weights(root / "weights")
+    return root
+
+
+def config_text(assets: Path, data: Path | None = None, extra: str = "", **sections) -> str:
+    """A valid tiny job config as TOML, with `extra` lines appended."""
+    data = data or assets / "data"
+    return (
+        f'[models.vae]\nweights = "{assets}/weights/vae.safetensors"\n'
+        f'[models.dit]\nweights = "{assets}/weights/dit.safetensors"\n'
+        '[models.text_encoder]\nbuilder = "tiny"\n'
+        '[trainable]\nlora_base_model = "dit"\n'
+        f'[data]\nbase_path = "{data}"\n'
+        f'[cache]\nurl = "{assets}/cache"\n' + extra
+    )
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def check_one_line(code: int, err: str, *needles: str) -> None:
+    """Exit 2, one error line (progress bars drawn before it aside), no traceback."""
+    assert code == 2, err
+    lines = [line for line in err.split("\n") if line and "\r" not in line]
+    assert len(lines) == 1 and lines[0].startswith("splitstage: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+CONFIG_CASES = {
+    "unknown field": ("[train]\nepochz = 2\n", ["train.epochz", "unknown field"]),
+    "wrong type": ("[train]\nepochs = 'many'\n", ["train.epochs", "valid integer"]),
+    "bad URL scheme": ('[output]\nurl = "x"\n[cache2]\n', ["cache2", "unknown field"]),
+    "number out of range": ("[train]\nlearning_rate = -1\n", ["train.learning_rate"]),
+    "bad image size": ("[pipeline]\nimage_size = 50\n", ["pipeline.image_size", "16"]),
+    "unknown parallelism": ('[train]\nparallelism = "zero"\n', ["train.parallelism"]),
+    "unknown mixed precision": ('[train]\nmixed_precision = "fp8"\n', ["train.mixed_precision"]),
+    "unknown train mode": ('[train]\nmode = "both"\n', ["train.mode"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_field_errors(case, assets, tmp_path, capsys):
+    extra, needles = CONFIG_CASES[case]
+    path = tmp_path / "job.toml"
+    path.write_text(config_text(assets, extra=extra))
+    check_one_line(*run_cli(["validate", str(path)], capsys), *needles)
+
+
+REPLACED_CASES = {
+    "unsupported cache URL": ('url = "{a}/cache"', 'url = "ftp://host/cache"', ["ftp://"]),
+    "s3 URL without bucket": ('url = "{a}/cache"', 'url = "s3://"', ["needs a bucket"]),
+    "credentials in the config": (
+        'url = "{a}/cache"',
+        'url = "s3://b/c"\nstorage_options = {secret = "x"}',
+        ["cache.storage_options", "environment"],
+    ),
+    "missing weights file": (
+        "weights/dit.safetensors",
+        "weights/none.safetensors",
+        ["models.dit.weights", "none.safetensors", "does not exist"],
+    ),
+    "model with two sources": (
+        'builder = "tiny"',
+        'builder = "tiny"\nweights = "x.safetensors"',
+        ["models.text_encoder", "exactly one"],
+    ),
+    "unknown text encoder builder": (
+        'builder = "tiny"',
+        'builder = "bert-9000"',
+        ["models.text_encoder.builder", "minilm"],
+    ),
+    "trainable model without an entry": (
+        'lora_base_model = "dit"',
+        'lora_base_model = "unet"',
+        ["unet", "[models.unet]"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLACED_CASES))
+def test_config_value_errors(case, assets, tmp_path, capsys):
+    old, new, needles = REPLACED_CASES[case]
+    text = config_text(assets).replace(old.replace("{a}", str(assets)), new)
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    check_one_line(*run_cli(["validate", str(path)], capsys), *needles)
+
+
+def test_config_not_toml_and_missing_file(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text("[train\n")
+    check_one_line(*run_cli(["validate", str(path)], capsys), "not valid TOML")
+    check_one_line(*run_cli(["validate", str(tmp_path / "nope.toml")], capsys), "cannot read")
+
+
+GRAPH_CASES = {
+    "duplicate unit names": (
+        {"name": "p", "units": [{"name": "a"}, {"name": "a"}]},
+        [],
+        ["unit name 'a'"],
+    ),
+    "unknown trainable model": (
+        {"name": "p", "units": [{"name": "a", "onload_model_names": ["vae"]}]},
+        ["--trainable", "vea"],
+        ["Did you mean 'vae'?"],
+    ),
+    "wrong field type": (
+        {"name": "p", "units": [{"name": "a", "output_params": "x"}]},
+        [],
+        ["field 'output_params'"],
+    ),
+    "unknown unit field": (
+        {"name": "p", "units": [{"name": "a", "onload": []}]},
+        [],
+        ["field 'onload'", "unknown field"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+def test_unit_graph_errors(case, tmp_path, capsys):
+    document, args, needles = GRAPH_CASES[case]
+    path = tmp_path / "pipeline.json"
+    path.write_text(json.dumps(document))
+    check_one_line(*run_cli(["plan", str(path), *args], capsys), *needles)
+
+
+def broken_data(assets: Path, tmp: Path, how: str) -> Path:
+    """A copy of the data set with one defect."""
+    data = tmp / "data"
+    subprocess.run(["cp", "-r", str(assets / "data"), str(data)], check=True)
+    meta = data / "metadata.csv"
+    lines = meta.read_text().splitlines()
+    first_image = lines[1].split(",", 1)[0]
+    if how == "missing image":
+        (data / first_image).unlink()
+    elif how == "unreadable image":
+        (data / first_image).write_bytes(b"not a png")
+    elif how == "empty prompt":
+        lines[2] = lines[2].split(",", 1)[0] + ","
+        meta.write_text("\n".join(lines) + "\n")
+    elif how == "missing column":
+        meta.write_text("\n".join(["image,caption", *lines[1:]]) + "\n")
+    elif how == "bad metadata file":
+        meta.rename(data / "metadata.xlsx")
+    return data
+
+
+DATA_CASES = {
+    "missing image": ["metadata.csv row 2", "not found"],
+    "unreadable image": ["metadata.csv row 2", "corrupt or not an image"],
+    "empty prompt": ["metadata.csv row 3", "empty 'prompt'"],
+    "missing column": ["missing column(s) 'prompt'", "caption"],
+    "bad metadata file": ["no metadata.csv or metadata.jsonl"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_data_errors_name_the_row_and_file(case, assets, tmp_path, capsys):
+    data = broken_data(assets, tmp_path, case)
+    path = tmp_path / "job.toml"
+    path.write_text(config_text(assets, data=data).replace(f"{assets}/cache", f"{tmp_path}/c"))
+    check_one_line(*run_cli(["preprocess", str(path)], capsys), *DATA_CASES[case])
+
+
+def s3_config(assets: Path, tmp: Path, url: str, endpoint: str) -> Path:
+    path = tmp / "job.toml"
+    text = config_text(assets).replace(
+        f'url = "{assets}/cache"',
+        f'url = "{url}"\nstorage_options = {{endpoint_url = "{endpoint}"}}',
+    )
+    path.write_text(text)
+    return path
+
+
+def test_missing_bucket(assets, tmp_path, s3_bucket, monkeypatch, capsys):
+    _, options = s3_bucket
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    missing = s3_config(assets, tmp_path, "s3://no-such-bucket/cache", endpoint)
+    check_one_line(*run_cli(["preprocess", str(missing)], capsys), "no-such-bucket")
+
+
+@pytest.mark.parametrize(
+    ("user", "secret", "needle"),
+    [("writer", "Wr0ngSecretValue1234", "check the key"), ("nobody", None, "lack permission")],
+)
+def test_wrong_credentials_and_no_permission(
+    user, secret, needle, assets, tmp_path, s3_auth, s3_endpoint, monkeypatch, capsys
+):
+    url, opts = s3_auth
+    options = opts(user, secret)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    code, err = run_cli(["preprocess", str(s3_config(assets, tmp_path, url, s3_endpoint))], capsys)
+    check_one_line(code, err, needle)
+    assert options["secret"] not in err
+
+
+def test_mesh_larger_than_the_world_fails_before_launch(assets, tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        config_text(
+            assets, extra='[train]\nparallelism = "tp"\ntp_degree = 4\nnproc_per_node = 2\n'
+        )
+    )
+    check_one_line(*run_cli(["train", str(path)], capsys), "train.tp_degree=4")
+
+
+def test_bad_stage_lists(tmp_path, capsys):
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps([["embed"], ["head", "blocks.0"]]))
+    args = ["stages", "--modules", "embed,blocks.0,head", "--validate", str(path)]
+    check_one_line(*run_cli(args, capsys), "list modules in model order")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["validate", "/nonexistent/job.toml"], ["plan", "/nonexistent/pipeline.json"]],
+)
+def test_no_traceback_reaches_the_terminal(args):
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstage.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
