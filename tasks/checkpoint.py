@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from splitter import UserError
 from tasks.distributed import comm_device
+from tasks.safe_dcp import SafeFsspecReader
 from tasks.storage import join, open_fs, storage_errors, write_atomic
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ def _read_marker(fs, path: str, ckpt_url: str) -> dict[str, Any]:
     return json.loads(fs.cat_file(join(path, COMPLETE)))
 
 
-def _check_files(fs, path: str, ckpt_url: str, reader: FsspecReader, marker) -> None:
+def _check_files(fs, path: str, ckpt_url: str, reader: SafeFsspecReader, marker) -> None:
     """Every file the checkpoint needs exists, else a CheckpointError naming the missing ones."""
     metadata = reader.read_metadata()
     needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
@@ -379,7 +380,7 @@ def load_checkpoint(
     path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
     with storage_errors(ckpt_url, "read checkpoint", storage_options):
         marker = _read_marker(fs, path, ckpt_url)
-        reader = FsspecReader(ckpt_url, **dict(storage_options or {}))
+        reader = SafeFsspecReader(ckpt_url, **dict(storage_options or {}))
         _check_files(fs, path, ckpt_url, reader, marker)
         lora_only = bool(marker.get("lora_only"))
         state = _state(model, optimizers, lora_only)
