@@ -39,14 +39,22 @@ def step_generator(seed: int, rank: int, batch_index: int, device: torch.device)
     return generator
 
 
-def injected_fault() -> tuple[int, int] | None:
-    """SPLITSTAGE_FAULT_KILL=RANK:UPDATE makes that rank SIGKILL itself after that update
-    (fault-injection tests: a real crash at a known point, not a simulated one)."""
+def injected_fault() -> tuple[int, int, bool] | None:
+    """SPLITSTAGE_FAULT_KILL=RANK:UPDATE[:node] makes that rank SIGKILL itself after that update,
+    with ':node' its torchrun agent first (the whole node dies). For fault-injection tests: a
+    real crash at a known point, not a simulated one."""
     value = os.environ.get("SPLITSTAGE_FAULT_KILL")
     if not value:
         return None
-    rank, update = value.split(":")
-    return int(rank), int(update)
+    rank, update, *scope = value.split(":")
+    return int(rank), int(update), scope == ["node"]
+
+
+def crash(whole_node: bool) -> None:
+    """Die now, as a power cut would: no cleanup, no checkpoint."""
+    if whole_node:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def current_rss_mb() -> float:
@@ -225,8 +233,8 @@ class Trainer:
                     continue
                 self.scheduler.step()
                 update += 1
-                if self.fault == (self.dist.rank, update):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.fault and self.fault[:2] == (self.dist.rank, update):
+                    crash(whole_node=self.fault[2])
                 seconds = time.perf_counter() - t0
                 mean = self.mean_across_ranks(loss)
                 self.record(update, mean, seconds)
