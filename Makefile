@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(PY) -m splitstage.demo
 
 bench: $(STAMP)
-	$(PY) bench/bench_split.py
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache .hypothesis

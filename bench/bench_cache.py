@@ -218,8 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, key, goal, ok in rows:
         print(_row(name, f"{mbps[key]:.1f} MB/s", raw, mbps[key] / mbps["raw"], goal, ok))
+    FIGURES.update(
+        bytes_ratio=size_ratio,
+        s3_write_ratio=speed_ratio,
+        ours_bytes=ours_b,
+        torch_save_bytes=base_b,
+        write_mbps=mbps["batched"],
+        raw_mbps=mbps["raw"],
+    )
     missed = size_ratio > 0.5 or speed_ratio < 0.8
     return 1 if (args.check and missed) else 0
+
+
+FIGURES: dict[str, float] = {}  # the last run's figures, for bench/run_all.py
 
 
 if __name__ == "__main__":

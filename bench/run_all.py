@@ -1,0 +1,72 @@
+"""Every benchmark of the project in one run, then one table of figures and goals.
+
+Run: make bench   (or .venv/bin/python bench/run_all.py [--quick])
+Each benchmark also runs alone (see its docstring). Ratios are measured side by side within each
+benchmark, since this machine is noisy; absolute times are for orientation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run(name: str, argv: list[str]):
+    """Import bench/<name>.py and run its main(argv); return what it returns."""
+    print(f"\n=== {name} {' '.join(argv)}", flush=True)
+    module = importlib.import_module(name)
+    result = module.main(argv)
+    return getattr(module, "FIGURES", None) if isinstance(result, int) else result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes)")
+    args = parser.parse_args(argv)
+    q = args.quick
+    table = []
+    split = run("bench_split", ["--sizes", "1000,10000" if q else "1000,10000,100000"])
+    at_10k = next(r for r in split if r["units"] == 10000 and r["shape"] == "chain")
+    table.append(("splitter speed-up vs seed, 10k units (chain)", at_10k["ratio"], ">= 50"))
+    cache = run("bench_cache", ["--rounds", "2" if q else "5"])
+    table.append(("cache bytes/sample vs torch.save (synthetic)", cache["bytes_ratio"], "<= 0.5"))
+    table.append(("S3 write: CacheStore vs raw batched puts", cache["s3_write_ratio"], ">= 0.8"))
+    prep = run("bench_preprocess", ["--samples", "256" if q else "1024"])
+    table.append(("cache bytes/sample vs torch.save (demo)", prep["bytes_ratio"], "<= 0.5"))
+    table.append(("preprocess speed-up, 2 workers vs 1", prep["speedup"], ">= 1.6"))
+    stage2 = run("bench_stage2", ["--updates", "20" if q else "40"])
+    table.append(("stage-2 step / unsplit step", stage2["step_ratio"], "<= 0.35"))
+    table.append(("stage-2 step / denoiser alone", stage2["split_vs_denoiser"], "<= 1.15"))
+    table.append(("stage-2 peak RSS / unsplit", stage2["rss_ratio"], "<= 0.6"))
+    table.append(("loader stall share, cache on S3", stage2["s3_stall_share"], "< 0.05"))
+    e2e = run("bench_end_to_end", ["--epochs", "3" if q else "10"])
+    table.append(
+        (f"end to end split / unsplit wall, {3 if q else 10} epochs", e2e["ratio"], "<= 0.45")
+    )
+    try:
+        orchestration = run("bench_orchestration", [])
+        table.append(
+            ("Prefect overhead, share of demo wall time", orchestration["overhead_share"], "info")
+        )
+    except (ImportError, KeyError, TypeError) as error:
+        table.append((f"Prefect overhead (not measured: {error})", float("nan"), "info"))
+    print("\n| figure | measured | goal | met |\n|---|---|---|---|")
+    for name, value, goal in table:
+        met = "-" if goal == "info" else ("yes" if _meets(value, goal) else "NO")
+        print(f"| {name} | {value:.3f} | {goal} | {met} |")
+    return 0
+
+
+def _meets(value: float, goal: str) -> bool:
+    op, number = goal.split()
+    target = float(number)
+    return {"<=": value <= target, ">=": value >= target, "<": value < target}[op]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
