@@ -190,3 +190,15 @@ def test_weights_file_with_wrong_keys_names_them(workspace):
     config.models["dit"].weights = str(workspace / "weights/prefixed.safetensors")
     with pytest.raises(TorchrunError, match="key_prefix"):
         train_config(workspace, config)
+
+
+def test_full_fine_tuning_exports_every_weight(workspace):
+    config = make_config(workspace, "full", parallelism="fsdp", nproc_per_node=2, max_steps=2)
+    config.trainable.lora_base_model = None
+    config.trainable.full = ["dit"]
+    report = train_config(workspace, config)
+    exported = weights(report)
+    initial = load_file(str(workspace / "weights/dit.safetensors"))
+    assert exported.keys() == initial.keys()  # remove_prefix_in_ckpt stripped "pipe.dit."
+    changed = [k for k in initial if not (exported[k] == initial[k]).all()]
+    assert len(changed) > len(initial) // 2  # the optimizer moved (nearly) every weight
