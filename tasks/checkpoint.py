@@ -111,8 +111,12 @@ def _as_list(optimizers) -> list[torch.optim.Optimizer]:
 
 
 def _options(lora_only: bool) -> StateDictOptions:
-    """LoRA-only checkpoints skip frozen params and load non-strictly."""
-    return StateDictOptions(ignore_frozen_params=lora_only, strict=not lora_only)
+    """LoRA-only checkpoints skip frozen params and load non-strictly. Optimizer state is flat
+    (`state.<fqn>.*`, `param_groups.<fqn>.*`), so ranks holding different modules (pipeline
+    stages) write disjoint keys instead of each one's `param_groups` list under one key."""
+    return StateDictOptions(
+        ignore_frozen_params=lora_only, strict=not lora_only, flatten_optimizer_state_dict=True
+    )
 
 
 def _state(model: nn.Module, optimizers: list, lora_only: bool) -> dict[str, Any]:

@@ -29,9 +29,17 @@ def trained_state(stage2: Stage2Models) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def export_weights(config: SplitstageConfig, stage2: Stage2Models, spec: dict[str, Any]) -> dict:
-    """Write `<output>/<model>[_lora].safetensors` and `run.json`; returns their URLs (rank 0)."""
-    states = trained_state(stage2)
+def export_weights(
+    config: SplitstageConfig,
+    stage2: Stage2Models,
+    spec: dict[str, Any],
+    states: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> dict:
+    """Write `<output>/<model>[_lora].safetensors` and `run.json`; returns their URLs (rank 0).
+
+    `states` (per model, already gathered on rank 0 by the caller) replaces `trained_state`.
+    """
+    states = trained_state(stage2) if states is None else states
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     url = spec["output_url"]

@@ -13,6 +13,7 @@ from pipelines import demo
 from pipelines.config import SplitstageConfig
 from tasks.job_plan import make_plan
 from tasks.launcher import TorchrunSpec, run_torchrun
+from tasks.pipeline_parallel import check_pp_config
 from tasks.stage2_models import parallel_mode
 
 WORKER_MODULE = "tasks.train_worker"
@@ -112,7 +113,10 @@ def torchrun_spec(
 def check_before_launch(config: SplitstageConfig, plan) -> None:
     """Refuse configs that would fail inside every rank: bad mesh, missing weights files."""
     world = config.train.nnodes * config.train.nproc_per_node
-    parallel_mode(config, world)
+    if config.train.parallelism == "pp":
+        check_pp_config(config)
+    else:
+        parallel_mode(config, world)
     names = demo.MODEL_NAMES if config.train.mode == "unsplit" else plan.split.models["stage2"]
     demo.check_models(config, names)
 

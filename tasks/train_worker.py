@@ -90,9 +90,7 @@ class Trainer:
         )
         self.unsplit = train.mode == "unsplit"
         names = list(demo.MODEL_NAMES) if self.unsplit else None
-        self.stage2: Stage2Models = build_stage2_models(
-            self.config, self.plan, self.dist, names=names
-        )
+        self.stage2: Stage2Models = self.build_models(names)
         # Unsplit runs every unit in pipeline order each step; split runs only V1.
         self.units = list(self.plan.units) if self.unsplit else self.plan.v1_units
         self.source = (
@@ -133,6 +131,10 @@ class Trainer:
         self.losses: list[float] = []
         self.step_seconds: list[float] = []
         self.fault = injected_fault()
+
+    def build_models(self, names: list[str] | None) -> Stage2Models:
+        """This rank's stage-2 models (`names`, default the plan's); PipelineTrainer splits them."""
+        return build_stage2_models(self.config, self.plan, self.dist, names=names)
 
     # -- one update ----------------------------------------------------------------------------
     def micro_step(self, batch: dict[str, Any], batch_index: int) -> torch.Tensor:
@@ -248,7 +250,7 @@ class Trainer:
                 if update >= self.total_updates or (micro + 1) // accum >= self.updates_per_epoch:
                     break
         elapsed = time.perf_counter() - started
-        outputs = export_weights(self.config, self.stage2, self.spec)
+        outputs = self.export()
         result = {
             "updates": update,
             "losses": self.losses,
@@ -267,6 +269,10 @@ class Trainer:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         return result
 
+    def export(self) -> dict[str, str]:
+        """Write the trained weights (collective); rank 0 gets their URLs."""
+        return export_weights(self.config, self.stage2, self.spec)
+
     def trained_models(self) -> list[torch.nn.Module]:
         """The modules being trained."""
         return [self.stage2.models[name] for name in self.stage2.trained]
@@ -276,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point under torchrun: read the run spec, train, leave the process group."""
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
+    trainer_cls = Trainer
+    if spec["config"]["train"]["parallelism"] == "pp":
+        from tasks.pipeline_parallel import PipelineTrainer  # it imports this module
+
+        trainer_cls = PipelineTrainer
     try:
-        Trainer(spec).run()
+        trainer_cls(spec).run()
     finally:
         close_distributed()
     return 0
