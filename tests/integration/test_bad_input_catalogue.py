@@ -261,3 +261,14 @@ def test_no_traceback_reaches_the_terminal(args):
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_bad_pipeline_microbatches_fail_before_launch(assets, tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        config_text(
+            assets,
+            extra='[train]\nparallelism = "pp"\nnproc_per_node = 2\npp_microbatches = 1\n',
+        )
+    )
+    check_one_line(*run_cli(["train", str(path)], capsys), "train.pp_microbatches")
