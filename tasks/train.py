@@ -9,12 +9,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipelines import demo
-from pipelines.config import SplitstageConfig
+from pipelines.config import ConfigError, SplitstageConfig
 from tasks.job_plan import make_plan
 from tasks.launcher import TorchrunSpec, run_torchrun
 from tasks.pipeline_parallel import check_pp_config
 from tasks.stage2_models import parallel_mode
+from tasks.weights import WeightsError, check_weights_file
 
 WORKER_MODULE = "tasks.train_worker"
 
@@ -119,6 +122,14 @@ def check_before_launch(config: SplitstageConfig, plan) -> None:
         parallel_mode(config, world)
     names = demo.MODEL_NAMES if config.train.mode == "unsplit" else plan.split.models["stage2"]
     demo.check_models(config, names)
+    for name in names:
+        source = demo.model_source(config, name)
+        if source.weights and source.weights.endswith(".safetensors"):
+            meta_model = demo.build_model(config, name, torch.device("meta"), load=False)
+            try:
+                check_weights_file(meta_model, source.weights, source.key_prefix)
+            except WeightsError as error:
+                raise ConfigError(f"models.{name}.weights: {error}") from None
 
 
 def train(

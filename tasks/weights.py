@@ -301,6 +301,15 @@ def _open_and_check(path, key_prefix, shapes, required, ignore_unexpected) -> _P
     return file
 
 
+def check_weights_file(model: nn.Module, path: str | os.PathLike, key_prefix: str = "") -> None:
+    """Check a weights file's keys and shapes against a (meta) model without loading tensors:
+    lets a launcher refuse a wrong file before any process starts."""
+    targets = _model_tensors(model)
+    shapes = {key: tuple(t.shape) for key, (_, t) in targets.items()}
+    required = {key for key in shapes if not _is_adapter(key)}
+    _open_and_check(os.fspath(path), key_prefix, shapes, required, False)
+
+
 def materialize_and_load(
     model: nn.Module,
     path: str | os.PathLike,

@@ -272,3 +272,34 @@ def test_bad_pipeline_microbatches_fail_before_launch(assets, tmp_path, capsys):
         )
     )
     check_one_line(*run_cli(["train", str(path)], capsys), "train.pp_microbatches")
+
+
+def test_weights_file_with_wrong_keys_or_shapes_fails_before_launch(assets, tmp_path, capsys):
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.models import DiT
+
+    state = load_file(str(assets / "weights/dit.safetensors"))
+    renamed = tmp_path / "renamed.safetensors"
+    save_file(
+        {f"model.{k}": v for k, v in state.items()},
+        str(renamed),
+        metadata={"config": _json.dumps(DiT().config)},
+    )
+    small = DiT(hidden=96, heads=3)
+    reshaped = tmp_path / "reshaped.safetensors"
+    save_file(
+        {k: v.contiguous() for k, v in small.state_dict().items()},
+        str(reshaped),
+        metadata={"config": _json.dumps(DiT().config)},
+    )
+    for weights, needles in (
+        (renamed, ["models.dit.weights", "key_prefix"]),
+        (reshaped, ["models.dit.weights", "shape"]),
+    ):
+        path = tmp_path / "job.toml"
+        text = config_text(assets).replace(f"{assets}/weights/dit.safetensors", str(weights))
+        path.write_text(text)
+        check_one_line(*run_cli(["train", str(path)], capsys), *needles)

@@ -188,8 +188,8 @@ def test_weights_file_with_wrong_keys_names_them(workspace):
     save_file(bad, str(workspace / "weights/prefixed.safetensors"))
     config = make_config(workspace, "prefixed")
     config.models["dit"].weights = str(workspace / "weights/prefixed.safetensors")
-    with pytest.raises(TorchrunError, match="key_prefix"):
-        train_config(workspace, config)
+    with pytest.raises(ConfigError, match="models.dit.weights: .*key_prefix"):
+        train_config(workspace, config)  # refused before any process starts
 
 
 def test_full_fine_tuning_exports_every_weight(workspace):
