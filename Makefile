@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: venv test test-fast lint format demo bench clean
+.PHONY: venv test test-fast lint format demo bench stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -39,5 +39,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
+stack-up: $(STAMP)
+	infra/stack.sh up
+
+stack-down:
+	infra/stack.sh down
+
 clean:
-	rm -rf runs .pytest_cache .ruff_cache .hypothesis
+	rm -rf runs .prefect .pytest_cache .ruff_cache .hypothesis

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         (f"end to end split / unsplit wall, {3 if q else 10} epochs", e2e["ratio"], "<= 0.45")
     )
     try:
-        orchestration = run("bench_orchestration", [])
+        orchestration = run("bench_orchestration", ["--limit", "300" if q else "600"])
         table.append(
             ("Prefect overhead, share of demo wall time", orchestration["overhead_share"], "info")
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -478,11 +479,15 @@ class TextEncoder(nn.Module):
         return out.last_hidden_state
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()  # its lazy module breaks when two threads import first
+
+
 def load_text_encoder(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[TextEncoder, object]:
     """Load the real all-MiniLM-L6-v2 and its tokenizer offline (local files only, no network)."""
-    from transformers import AutoModel, AutoTokenizer
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoModel, AutoTokenizer
 
     path = text_encoder_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

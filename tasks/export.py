@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -9,7 +10,9 @@ import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from pipelines import demo
 from pipelines.config import SplitstageConfig
+from pipelines.models import weights_config
 from tasks.stage2_models import LORA_ADAPTER, Stage2Models
 from tasks.storage import join, open_fs, write_atomic
 
@@ -54,6 +57,10 @@ def export_weights(
         }
         file_name = f"{name}_lora.safetensors" if stage2.lora else f"{name}.safetensors"
         meta = {"format": "pt", "model": name, "lora": str(stage2.lora).lower()}
+        if not stage2.lora:  # the architecture, so the file can be loaded (or warm-started) alone
+            source = demo.model_source(config, name)
+            if source.weights:
+                meta["config"] = json.dumps(weights_config(source.weights), sort_keys=True)
         if stage2.lora:
             meta["lora_rank"] = str(config.trainable.lora_rank)
             meta["lora_alpha"] = str(config.trainable.lora_alpha or config.trainable.lora_rank)

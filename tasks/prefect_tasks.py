@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -24,12 +23,15 @@ from pipelines.config import SplitstageConfig
 from splitter import UserError
 from tasks.job_plan import JobPlan, make_plan
 from tasks.preprocess import (
+    CacheSnapshot,
     DataIndex,
     PreprocessReport,
     ShardReport,
     index_data_set,
     open_cache,
     preprocess_shard,
+    snapshot,
+    summarize_preprocess,
 )
 from tasks.storage import StorageUnreachableError
 from tasks.train import TrainReport, train
@@ -98,21 +100,10 @@ def index_data(config: SplitstageConfig) -> DataIndex:
     return index_data_set(config)
 
 
-@dataclass(frozen=True)
-class CacheSnapshot:
-    """What a job's cache holds at one moment: committed sample keys, shard files, bytes."""
-
-    keys: frozenset[str]
-    shards: int
-    bytes: int
-
-
 @_io_task("read-cache-index", timeout_seconds=600)
 def snapshot_cache(config: SplitstageConfig, plan: JobPlan) -> CacheSnapshot:
     """Read the cache index once: what preprocessing will reuse, and the figures to diff later."""
-    store = open_cache(config, plan)
-    stats = store.stats()
-    return CacheSnapshot(frozenset(store.committed_keys()), stats.shards, stats.bytes)
+    return snapshot(open_cache(config, plan))
 
 
 @_io_task(
@@ -133,57 +124,6 @@ def preprocess_shard_task(
     return preprocess_shard(
         config, shard, num_shards, plan=plan, data=data, progress=False, on_progress=on_progress
     )
-
-
-def summarize_preprocess(
-    config: SplitstageConfig,
-    plan: JobPlan,
-    data: DataIndex,
-    reports: Iterable[ShardReport] | None,
-    before: CacheSnapshot,
-    workers: int,
-) -> PreprocessReport:
-    """Check every sample is committed, write the cache manifest, and sum up what was done.
-
-    With shard reports (local fan-out) the figures are the workers' own; without them (shards ran
-    as other flow runs elsewhere) they come from the cache: what got committed since `before`.
-    """
-    store = open_cache(config, plan)
-    committed = store.committed_keys()
-    missing = set(data.keys) - committed
-    if missing:
-        raise RuntimeError(
-            f"preprocessing finished but {len(missing)} of {len(data.keys)} samples are not in "
-            f"the cache {store.url}; rerun it (only the missing samples are computed) and check "
-            "the shard runs' logs"
-        )
-    keys = set(data.keys)
-    result = PreprocessReport(
-        cache_key=plan.cache_key,
-        cache_url=store.url,
-        samples=len(keys),
-        duplicates=data.duplicates,
-        workers=workers,
-        skipped_rows=data.skipped,
-    )
-    if reports is not None:
-        reports = list(reports)
-        result.computed = sum(r.computed for r in reports)
-        result.reused = sum(r.reused for r in reports)
-        result.skipped = len(data.skipped) + sum(r.skipped - len(data.skipped) for r in reports)
-        result.bytes_written = sum(r.bytes_written for r in reports)
-        result.shards_written = sum(r.shards_written for r in reports)
-    else:
-        after = store.stats()
-        result.reused = len(keys & before.keys)
-        result.computed = len(keys - before.keys)
-        result.skipped = len(data.skipped)
-        result.bytes_written = max(0, after.bytes - before.bytes)
-        result.shards_written = max(0, after.shards - before.shards)
-    store.write_manifest(
-        {"plan": plan.summary(), "samples": sorted(keys), "report": result.to_dict()}
-    )
-    return result
 
 
 @_io_task("finish-preprocess", timeout_seconds=1800)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
@@ -85,6 +85,80 @@ class PreprocessReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready report."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What a job's cache holds at one moment: committed sample keys, shard files, bytes."""
+
+    keys: frozenset[str]
+    shards: int
+    bytes: int
+
+
+def snapshot(store: CacheStore) -> CacheSnapshot:
+    """Read the cache index once: what preprocessing will reuse, and the figures to diff later."""
+    stats = store.stats()
+    return CacheSnapshot(frozenset(store.committed_keys()), stats.shards, stats.bytes)
+
+
+def summarize_preprocess(
+    config: SplitstageConfig,
+    plan: JobPlan,
+    data: DataIndex,
+    reports: Iterable[ShardReport] | None,
+    before: CacheSnapshot,
+    workers: int,
+) -> PreprocessReport:
+    """Check every sample is committed, write the cache manifest, and sum up what was done.
+
+    With shard reports (local fan-out) the figures are the workers' own; without them (shards ran
+    as other flow runs elsewhere) they come from the cache: what got committed since `before`.
+    """
+    store = open_cache(config, plan)
+    committed = store.committed_keys()
+    missing = set(data.keys) - committed
+    if missing:
+        raise RuntimeError(
+            f"preprocessing finished but {len(missing)} of {len(data.keys)} samples are not in "
+            f"the cache {store.url}; rerun it (only the missing samples are computed) and check "
+            "the shard runs' logs"
+        )
+    keys = set(data.keys)
+    if reports is not None:
+        result = summarize_shards(plan, store, data, reports, workers)
+    else:
+        result = summarize_shards(plan, store, data, [], workers)
+        after = store.stats()
+        result.reused = len(keys & before.keys)
+        result.computed = len(keys - before.keys)
+        result.skipped = len(data.skipped)
+        result.bytes_written = max(0, after.bytes - before.bytes)
+        result.shards_written = max(0, after.shards - before.shards)
+    store.write_manifest(
+        {"plan": plan.summary(), "samples": sorted(keys), "report": result.to_dict()}
+    )
+    return result
+
+
+def summarize_shards(
+    plan: JobPlan, store: CacheStore, data: DataIndex, reports: Iterable[ShardReport], workers: int
+) -> PreprocessReport:
+    """Sum the workers' shard reports into one run report."""
+    reports = list(reports)
+    return PreprocessReport(
+        cache_key=plan.cache_key,
+        cache_url=store.url,
+        samples=len(data.keys),
+        computed=sum(r.computed for r in reports),
+        reused=sum(r.reused for r in reports),
+        skipped=len(data.skipped) + sum(r.skipped - len(data.skipped) for r in reports),
+        duplicates=data.duplicates,
+        bytes_written=sum(r.bytes_written for r in reports),
+        shards_written=sum(r.shards_written for r in reports),
+        workers=workers,
+        skipped_rows=data.skipped,
+    )
 
 
 def shard_of(key: str, num_shards: int) -> int:
@@ -243,6 +317,7 @@ def preprocess(
     plan = make_plan(config)
     data = index_data_set(config)
     store = open_cache(config, plan)
+    before = snapshot(store)
     workers = workers or config.preprocess.workers
     if shard is not None:
         reports = [
@@ -259,28 +334,9 @@ def preprocess(
                 pool.submit(_worker, payload, i, workers, threads, data) for i in range(workers)
             ]
             reports = [f.result() for f in futures]
-    result = PreprocessReport(
-        cache_key=plan.cache_key,
-        cache_url=store.url,
-        samples=len(data.keys),
-        computed=sum(r.computed for r in reports),
-        reused=sum(r.reused for r in reports),
-        skipped=len(data.skipped) + sum(r.skipped - len(data.skipped) for r in reports),
-        duplicates=data.duplicates,
-        bytes_written=sum(r.bytes_written for r in reports),
-        shards_written=sum(r.shards_written for r in reports),
-        workers=workers,
-        skipped_rows=data.skipped,
-    )
     if shard is None:
-        store.refresh()
-        missing = set(data.keys) - store.committed_keys()
-        if missing:
-            raise RuntimeError(
-                f"preprocess finished but {len(missing)} samples are not in the cache"
-            )
-        store.write_manifest(
-            {"plan": plan.summary(), "samples": sorted(data.keys), "report": result.to_dict()}
-        )
+        result = summarize_preprocess(config, plan, data, reports, before, workers)
+    else:  # one shard of many: the coordinator of the whole run writes the manifest
+        result = summarize_shards(plan, store, data, reports, workers)
     result.seconds = time.perf_counter() - started
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -109,7 +110,9 @@ def torchrun_spec(
         rdzv_endpoint=train.rdzv_endpoint,
         rdzv_id=config.job.name,
         max_restarts=train.max_restarts,
-        env=dict(env or {}),
+        # torchrun sets one OpenMP thread per worker only when nproc_per_node > 1; a single
+        # worker with one thread per core fights the data prefetch thread (2-5 s/update vs 0.2 s).
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
     )
 
 
