@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,8 +16,15 @@ class UnitGraph:
     inputs: tuple[tuple[str, ...], ...]
     outputs: tuple[tuple[str, ...], ...]
     successors: tuple[tuple[tuple[int, str], ...], ...]
-    chains: dict[str, tuple[int, ...]]
-    chain_position: dict[str, dict[int, int]]
+    chains: dict[str, list[int]]
+
+    def chain_position(self, param: str, unit: int) -> int | None:
+        """Where `unit` first appears in the updating chain of `param` (None if absent)."""
+        chain = self.chains.get(param)
+        if not chain:
+            return None
+        position = bisect_left(chain, unit)  # chains are in unit order
+        return position if position < len(chain) and chain[position] == unit else None
 
 
 def build_graph(units: Sequence[Unit]) -> UnitGraph:
@@ -26,23 +34,24 @@ def build_graph(units: Sequence[Unit]) -> UnitGraph:
     successors: list[list[tuple[int, str]]] = [[] for _ in units]
     last_producer: dict[str, int] = {}
     chains: dict[str, list[int]] = {}
-    chain_position: dict[str, dict[int, int]] = {}
-    for index in range(len(units)):
-        for param in inputs[index]:
-            producer = last_producer.get(param)
+    get_producer = last_producer.get
+    for index, (reads, writes) in enumerate(zip(inputs, outputs)):
+        for param in reads:
+            producer = get_producer(param)
             if producer is not None:
                 successors[producer].append((index, param))
-        for param in outputs[index]:
+        for param in writes:
             last_producer[param] = index
-            chain = chains.setdefault(param, [])
-            # A unit listing a param twice appears twice in DiffSynth's chain; the first
-            # occurrence is what `chain.index` finds, so only it is recorded.
-            chain_position.setdefault(param, {}).setdefault(index, len(chain))
-            chain.append(index)
+            # A unit listing a param twice appears twice, as in DiffSynth's chain; lookups use
+            # the first occurrence, as its `chain.index` does.
+            chain = chains.get(param)
+            if chain is None:
+                chains[param] = [index]
+            else:
+                chain.append(index)
     return UnitGraph(
         inputs=inputs,
         outputs=outputs,
-        successors=tuple(tuple(s) for s in successors),
-        chains={param: tuple(chain) for param, chain in chains.items()},
-        chain_position=chain_position,
+        successors=tuple(map(tuple, successors)),
+        chains=chains,
     )

@@ -13,6 +13,7 @@ import gc
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 from splitter.graph import UnitGraph, build_graph
 from splitter.units import Unit
@@ -47,21 +48,37 @@ class UnitSplit:
 
     v1: tuple[int, ...]
     v2: tuple[int, ...]
-    reasons: dict[int, Reason]
+    why: dict[int, tuple]  # unit -> (kind, detail, source unit index); Reasons built on demand
     graph: UnitGraph
+    names: tuple[str, ...]
+
+    @cached_property
+    def reasons(self) -> dict[int, Reason]:
+        """The Reason of every V1 unit."""
+        out = {}
+        for index, (kind, detail, source) in self.why.items():
+            if kind == "model":
+                out[index] = Reason("model", model=detail)
+            elif kind == "per_step":
+                out[index] = Reason("per_step")
+            else:
+                out[index] = Reason(kind, param=detail, source=self.names[source])
+        return out
 
 
-def seed_units(units: Sequence[Unit], models: Iterable[str]) -> dict[int, Reason]:
+def seed_units(units: Sequence[Unit], models: Iterable[str]) -> dict[int, tuple]:
     """X_0: units calling a trainable model, plus per-step units (the splitstage extension)."""
     models = tuple(models)
-    reasons: dict[int, Reason] = {}
+    why: dict[int, tuple] = {}
     for index, unit in enumerate(units):
-        used = [m for m in models if m in unit.onload_model_names]
-        if used:
-            reasons[index] = Reason("model", model=used[0])
-        elif unit.per_step:
-            reasons[index] = Reason("per_step")
-    return reasons
+        if unit.onload_model_names:
+            used = [m for m in models if m in unit.onload_model_names]
+            if used:
+                why[index] = ("model", used[0], None)
+                continue
+        if unit.per_step:
+            why[index] = ("per_step", None, None)
+    return why
 
 
 @contextmanager
@@ -85,51 +102,53 @@ def split_units(units: Sequence[Unit], models: Iterable[str]) -> UnitSplit:
 
 def _split_units(units: Sequence[Unit], models: tuple[str, ...]) -> UnitSplit:
     graph = build_graph(units)
-    reasons = seed_units(units, models)
+    inputs, successors = graph.inputs, graph.successors
+    why = seed_units(units, models)
+    never = len(units)
     first_consumer: dict[str, int] = {}
     chain_done_from: dict[str, int] = {}  # chain[done_from:] already merged into V1
-    pending = sorted(reasons)  # joined V1, outgoing edges not yet followed
     changed: set[str] = set()  # params whose first consumer moved since the last U step
 
-    def consume(index: int) -> None:
-        for param in graph.inputs[index]:
-            if index < first_consumer.get(param, len(units)):
-                first_consumer[param] = index
-                changed.add(param)
+    def consume(indices) -> None:
+        get = first_consumer.get
+        for index in indices:
+            for param in inputs[index]:
+                if index < get(param, never):
+                    first_consumer[param] = index
+                    changed.add(param)
 
-    for index in pending:
-        consume(index)
+    pending = sorted(why)  # joined V1, outgoing edges not yet followed
+    consume(pending)
     while True:
         added = False
         # F: forward closure along producer -> consumer edges.
         while pending:
             source = pending.pop()
-            for target, param in graph.successors[source]:
-                if target not in reasons:
-                    reasons[target] = Reason("reads", param=param, source=units[source].name)
-                    consume(target)
+            for target, param in successors[source]:
+                if target not in why:
+                    why[target] = ("reads", param, source)
+                    consume((target,))
                     pending.append(target)
                     added = True
         # U: for each param whose first consumer in V1 moved, merge the rest of its chain.
         joined: list[int] = []
         for param in sorted(changed):
             first = first_consumer[param]
-            position = graph.chain_position.get(param, {}).get(first)
+            position = graph.chain_position(param, first)
             if position is None:
                 continue
             chain = graph.chains[param]
             stop = chain_done_from.get(param, len(chain))
             for later in chain[position + 1 : stop]:
-                if later not in reasons:
-                    reasons[later] = Reason("chain", param=param, source=units[first].name)
+                if later not in why:
+                    why[later] = ("chain", param, first)
                     joined.append(later)
             chain_done_from[param] = min(stop, position + 1)
         changed.clear()
-        for index in joined:
-            consume(index)
+        consume(joined)
         pending.extend(joined)
         if not joined and not added:
             break
-    v1 = tuple(sorted(reasons))
-    v2 = tuple(i for i in range(len(units)) if i not in reasons)
-    return UnitSplit(v1=v1, v2=v2, reasons=reasons, graph=graph)
+    v1 = tuple(sorted(why))
+    v2 = tuple(i for i in range(len(units)) if i not in why)
+    return UnitSplit(v1=v1, v2=v2, why=why, graph=graph, names=tuple(u.name for u in units))
