@@ -65,9 +65,13 @@ def demo_full_inputs(cached: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
 
 def _copies(sample: dict[str, Any], count: int) -> dict[str, dict[str, Any]]:
-    """`count` samples with distinct keys and distinct tensor storage."""
+    """`count` samples with distinct keys and distinct tensor CONTENT (the cache stores identical
+    tensors once per shard, so plain copies would measure that dedupe, not the format)."""
     return {
-        f"{i:016x}": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
+        f"{i:016x}": {
+            k: v + i * 1e-3 if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in sample.items()
+        }
         for i in range(count)
     }
 

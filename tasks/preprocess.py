@@ -327,7 +327,9 @@ def preprocess(
     elif workers == 1:
         reports = [preprocess_shard(config, 0, 1, plan=plan, data=data, progress=progress)]
     else:
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = int(os.environ.get("SPLITSTAGE_PREPROCESS_THREADS", 0)) or max(
+            1, (os.cpu_count() or 1) // workers
+        )
         payload = config.model_dump_json()
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             futures = [
