@@ -12,46 +12,25 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pipelines.config import ConfigError, config_from_dict
-from pipelines.digits import write_digits_dataset
-from pipelines.models import build_demo_weights
+from pipelines.config import ConfigError
 from tasks.launcher import TorchrunError
-from tasks.preprocess import preprocess
 from tasks.train import train
+from tests.integration.tiny_job import make_workspace, tiny_config
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu"}
+SEED = 3
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A digits subset, demo weights and a filled cache, shared by the module's tests."""
-    root = tmp_path_factory.mktemp("train")
-    write_digits_dataset(root / "data", limit=40)
-    build_demo_weights(root / "weights")
-    preprocess(make_config(root, "prep"), workers=1, progress=False)
-    return root
+    return make_workspace(tmp_path_factory.mktemp("train"), samples=40, seed=SEED)
 
 
 def make_config(root: Path, name: str, **train):
     """A tiny job config; `train` overrides [train] fields."""
-    return config_from_dict(
-        {
-            "job": {"name": name, "seed": 3},
-            "models": {
-                "vae": {"weights": str(root / "weights/vae.safetensors")},
-                "dit": {"weights": str(root / "weights/dit.safetensors")},
-                "text_encoder": {"builder": "tiny"},
-            },
-            "trainable": {"lora_base_model": "dit", "lora_rank": 4},
-            "data": {"base_path": str(root / "data")},
-            "cache": {"url": str(root / "cache"), "shard_samples": 16},
-            "preprocess": {"batch_size": 8},
-            "train": {"batch_size": 4, "max_steps": 3, "log_every": 1, "checkpoint_every": 2}
-            | train,
-            "output": {"url": str(root / "out"), "remove_prefix_in_ckpt": "pipe.dit."},
-        }
-    )
+    return tiny_config(root, name, SEED, **train)
 
 
 def run(root: Path, name: str, **train):

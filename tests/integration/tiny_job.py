@@ -1,0 +1,39 @@
+"""A tiny stage-2 job shared by the training tests: digits subset, demo weights, tiny encoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines.config import SplitstageConfig, config_from_dict
+from pipelines.digits import write_digits_dataset
+from pipelines.models import build_demo_weights
+from tasks.preprocess import preprocess
+
+
+def tiny_config(root: Path, name: str, seed: int, **train) -> SplitstageConfig:
+    """LoRA (rank 4) on the demo DiT; `train` overrides [train] fields."""
+    return config_from_dict(
+        {
+            "job": {"name": name, "seed": seed},
+            "models": {
+                "vae": {"weights": str(root / "weights/vae.safetensors")},
+                "dit": {"weights": str(root / "weights/dit.safetensors")},
+                "text_encoder": {"builder": "tiny"},
+            },
+            "trainable": {"lora_base_model": "dit", "lora_rank": 4},
+            "data": {"base_path": str(root / "data")},
+            "cache": {"url": str(root / "cache"), "shard_samples": 16},
+            "preprocess": {"batch_size": 8},
+            "train": {"batch_size": 4, "max_steps": 3, "log_every": 1, "checkpoint_every": 2}
+            | train,
+            "output": {"url": str(root / "out"), "remove_prefix_in_ckpt": "pipe.dit."},
+        }
+    )
+
+
+def make_workspace(root: Path, samples: int, seed: int) -> Path:
+    """Write the data set and weights under `root` and fill the cache once."""
+    write_digits_dataset(root / "data", limit=samples)
+    build_demo_weights(root / "weights")
+    preprocess(tiny_config(root, "prep", seed), workers=1, progress=False)
+    return root
