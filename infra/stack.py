@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
+
+from tasks.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK_ID_ENV = "SPLITSTAGE_STACK_ID"
@@ -49,13 +50,6 @@ MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "moto", "AWS_SECRET_ACCESS_KEY": "moto"
 
 class StackError(RuntimeError):
     """The stack could not start or stop; the message names the step and its log file."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
