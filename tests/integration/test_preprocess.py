@@ -213,3 +213,29 @@ def test_cli_preprocess_json_and_bad_config_exit_code(assets, tmp_path):
     bad = subprocess.run([*cli, "preprocess", str(toml)], capture_output=True, text=True, env=env)
     assert bad.returncode == 2
     assert "preprocess.workerz: unknown field" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cli_cache_stats_and_verify_name_a_damaged_shard(assets, tmp_path, capsys):
+    from splitstage.cli import main
+
+    config = make_config(assets, tmp_path)
+    preprocess(config, workers=1, progress=False)
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        f"""[models.vae]\nweights = "{config.models["vae"].weights}"\n"""
+        f"""[models.dit]\nweights = "{config.models["dit"].weights}"\n"""
+        """[models.text_encoder]\nbuilder = "tiny"\n[trainable]\nlora_base_model = "dit"\n"""
+        f"""[data]\nbase_path = "{config.data.base_path}"\n"""
+        f"""[cache]\nurl = "{config.cache.url}"\nshard_samples = 8\n"""
+    )
+    assert main(["cache", "stats", str(toml)]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 24
+    assert main(["cache", "verify", str(toml)]) == 0
+    assert "OK" in capsys.readouterr().out
+    store = open_cache(config, make_plan(config))
+    shard = sorted(Path(store.root).glob("shards/*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["cache", "verify", str(toml)]) == 1
+    assert shard.name in capsys.readouterr().out
