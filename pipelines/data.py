@@ -207,9 +207,10 @@ def decode_image(data: bytes, row: Row, base_path: str | Path) -> Image.Image:
             img.load()
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        reason = "unknown image format" if isinstance(exc, UnidentifiedImageError) else str(exc)
         raise DataError(
             f"{row.where}: image file {Path(base_path) / row.image} is corrupt or not an image "
-            f"({exc}); re-export it or remove the row"
+            f"({reason}); re-export it or remove the row"
         ) from exc
 
 
