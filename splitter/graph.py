@@ -13,9 +13,9 @@ from splitter.units import Unit
 class UnitGraph:
     """Per-unit inputs/outputs, producer->consumer edges with their param, and updating chains."""
 
-    inputs: tuple[tuple[str, ...], ...]
-    outputs: tuple[tuple[str, ...], ...]
-    successors: tuple[tuple[tuple[int, str], ...], ...]
+    inputs: list[tuple[str, ...]]
+    outputs: list[tuple[str, ...]]
+    successors: list[list[tuple[int, str]]]  # per producer: (consumer, param); do not mutate
     chains: dict[str, list[int]]
 
     def chain_position(self, param: str, unit: int) -> int | None:
@@ -29,22 +29,23 @@ class UnitGraph:
 
 def build_graph(units: Sequence[Unit]) -> UnitGraph:
     """Build edges (Definition 1) and updating chains in one linear pass over the units."""
-    inputs = tuple(unit.inputs for unit in units)
-    outputs = tuple(unit.output_params for unit in units)
+    inputs = [unit.inputs for unit in units]
+    outputs = [unit.output_params for unit in units]
     successors: list[list[tuple[int, str]]] = [[] for _ in units]
     last_producer: dict[str, int] = {}
     chains: dict[str, list[int]] = {}
     get_producer = last_producer.get
-    for index, (reads, writes) in enumerate(zip(inputs, outputs)):
+    get_chain = chains.get
+    for index, reads in enumerate(inputs):
         for param in reads:
             producer = get_producer(param)
             if producer is not None:
                 successors[producer].append((index, param))
-        for param in writes:
+        for param in outputs[index]:
             last_producer[param] = index
             # A unit listing a param twice appears twice, as in DiffSynth's chain; lookups use
             # the first occurrence, as its `chain.index` does.
-            chain = chains.get(param)
+            chain = get_chain(param)
             if chain is None:
                 chains[param] = [index]
             else:
@@ -52,6 +53,6 @@ def build_graph(units: Sequence[Unit]) -> UnitGraph:
     return UnitGraph(
         inputs=inputs,
         outputs=outputs,
-        successors=tuple(map(tuple, successors)),
+        successors=successors,
         chains=chains,
     )

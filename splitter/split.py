@@ -50,7 +50,7 @@ class UnitSplit:
     v2: tuple[int, ...]
     why: dict[int, tuple]  # unit -> (kind, detail, source unit index); Reasons built on demand
     graph: UnitGraph
-    names: tuple[str, ...]
+    units: Sequence[Unit]
 
     @cached_property
     def reasons(self) -> dict[int, Reason]:
@@ -62,7 +62,7 @@ class UnitSplit:
             elif kind == "per_step":
                 out[index] = Reason("per_step")
             else:
-                out[index] = Reason(kind, param=detail, source=self.names[source])
+                out[index] = Reason(kind, param=detail, source=self.units[source].name)
         return out
 
 
@@ -121,13 +121,17 @@ def _split_units(units: Sequence[Unit], models: tuple[str, ...]) -> UnitSplit:
     consume(pending)
     while True:
         added = False
-        # F: forward closure along producer -> consumer edges.
+        # F: forward closure along producer -> consumer edges (consume inlined: hot loop).
+        get = first_consumer.get
         while pending:
             source = pending.pop()
             for target, param in successors[source]:
                 if target not in why:
                     why[target] = ("reads", param, source)
-                    consume((target,))
+                    for read in inputs[target]:
+                        if target < get(read, never):
+                            first_consumer[read] = target
+                            changed.add(read)
                     pending.append(target)
                     added = True
         # U: for each param whose first consumer in V1 moved, merge the rest of its chain.
@@ -150,5 +154,5 @@ def _split_units(units: Sequence[Unit], models: tuple[str, ...]) -> UnitSplit:
         if not joined and not added:
             break
     v1 = tuple(sorted(why))
-    v2 = tuple(i for i in range(len(units)) if i not in why)
-    return UnitSplit(v1=v1, v2=v2, why=why, graph=graph, names=tuple(u.name for u in units))
+    v2 = tuple([i for i in range(len(units)) if i not in why])
+    return UnitSplit(v1=v1, v2=v2, why=why, graph=graph, units=units)
