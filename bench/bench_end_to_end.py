@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipelines.config import config_from_dict  # noqa: E402
+from demo_job import demo_job  # noqa: E402
+
 from pipelines.digits import write_digits_dataset  # noqa: E402
 from pipelines.models import build_demo_weights  # noqa: E402
 from tasks.preprocess import preprocess  # noqa: E402
@@ -27,28 +29,8 @@ WORK = Path("runs/bench/end_to_end")
 
 
 def job(name: str, samples: int, epochs: int, mode: str):
-    return config_from_dict(
-        {
-            "job": {"name": name, "seed": 0},
-            "models": {
-                "vae": {"weights": str(WORK / "weights/vae.safetensors")},
-                "dit": {"weights": str(WORK / "weights/dit.safetensors")},
-                "text_encoder": {"builder": "minilm"},
-            },
-            "trainable": {"lora_base_model": "dit", "lora_rank": 16},
-            "data": {"base_path": str(WORK / "data"), "limit": samples},
-            "cache": {"url": str(WORK / "cache"), "shard_samples": 128},
-            "preprocess": {"batch_size": 32},
-            "train": {
-                "mode": mode,
-                "batch_size": 8,
-                "epochs": epochs,
-                "log_every": 1000,
-                "checkpoint_every": 100000,
-            },
-            "output": {"url": str(WORK / "out")},
-        }
-    )
+    """The benchmark's job config in `mode` (split or unsplit)."""
+    return demo_job(WORK, name, samples, mode=mode, epochs=epochs)
 
 
 def main(argv=None) -> dict:

@@ -39,8 +39,13 @@ def with_storage(config, folder: Path):
 def run_plain(config) -> dict[str, float]:
     """The pipeline as plain function calls, with the same shard threads as the flow."""
     from tasks.job_plan import make_plan
-    from tasks.prefect_tasks import CacheSnapshot, summarize_preprocess, warm_lazy_imports
-    from tasks.preprocess import index_data_set, open_cache, preprocess_shard
+    from tasks.preprocess import (
+        CacheSnapshot,
+        index_data_set,
+        open_cache,
+        preprocess_shard,
+        summarize_preprocess,
+    )
     from tasks.train import train
 
     seconds: dict[str, float] = {}
@@ -55,7 +60,6 @@ def run_plain(config) -> dict[str, float]:
     before = CacheSnapshot(frozenset(store.committed_keys()), stats.shards, stats.bytes)
     shards = config.preprocess.workers
     reports = [None] * shards
-    warm_lazy_imports()
 
     def shard(i: int) -> None:
         reports[i] = preprocess_shard(config, i, shards, plan=plan, data=data, progress=False)

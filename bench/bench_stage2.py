@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from demo_job import demo_job  # noqa: E402
 
-from pipelines.config import config_from_dict  # noqa: E402
 from pipelines.digits import write_digits_dataset  # noqa: E402
 from pipelines.models import DiT, build_demo_weights, load_weights, weights_config  # noqa: E402
 from tasks.preprocess import preprocess  # noqa: E402
@@ -36,30 +37,9 @@ WORK = Path("runs/bench/stage2")
 ENV = {"SPLITSTAGE_DEVICE": "cpu"}
 
 
-def job(name: str, samples: int, updates: int, batch: int, **cache) -> object:
+def job(name: str, samples: int, updates: int, batch: int, **cache):
     """The benchmark's job config (LoRA on the DiT, real text encoder)."""
-    return config_from_dict(
-        {
-            "job": {"name": name, "seed": 0},
-            "models": {
-                "vae": {"weights": str(WORK / "weights/vae.safetensors")},
-                "dit": {"weights": str(WORK / "weights/dit.safetensors")},
-                "text_encoder": {"builder": "minilm"},
-            },
-            "trainable": {"lora_base_model": "dit", "lora_rank": 16},
-            "data": {"base_path": str(WORK / "data"), "limit": samples},
-            "cache": {"url": str(WORK / "cache"), "shard_samples": 128, **cache},
-            "preprocess": {"batch_size": 32},
-            "train": {
-                "batch_size": batch,
-                "max_steps": updates,
-                "epochs": 1000,
-                "log_every": 1000,
-                "checkpoint_every": 100000,
-            },
-            "output": {"url": str(WORK / "out")},
-        }
-    )
+    return demo_job(WORK, name, samples, cache, batch_size=batch, max_steps=updates, epochs=1000)
 
 
 def above(report) -> float:

@@ -211,7 +211,7 @@ def build_model(
             f"models.{name}: the demo pipeline has no model '{name}'; its models are "
             f"{', '.join(MODEL_NAMES)}"
         )
-    check_weights_file(source.weights, f"models.{name}.weights")
+    require_weights_file(source.weights, f"models.{name}.weights")
     if not load:
         with torch.device("meta"):
             return cls(**weights_config(source.weights))
@@ -220,7 +220,7 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def check_weights_file(path: str, field_name: str) -> None:
+def require_weights_file(path: str, field_name: str) -> None:
     """A clear error for a weights file that is not there."""
     if not Path(path).is_file():
         raise ConfigError(
@@ -242,7 +242,7 @@ def check_models(config: SplitstageConfig, names: Sequence[str] = MODEL_NAMES) -
             )
         source = model_source(config, name)
         if source.weights is not None:
-            check_weights_file(source.weights, f"models.{name}.weights")
+            require_weights_file(source.weights, f"models.{name}.weights")
         elif name != "text_encoder" or source.builder not in TEXT_ENCODER_BUILDERS:
             allowed = ", ".join(TEXT_ENCODER_BUILDERS) if name == "text_encoder" else "none"
             raise ConfigError(

@@ -39,7 +39,7 @@ class JobPlan:
         """Content hash of a model's weights (or of its built-in source)."""
         source = demo.model_source(self.config, name)
         if source.weights:
-            demo.check_weights_file(source.weights, f"models.{name}.weights")
+            demo.require_weights_file(source.weights, f"models.{name}.weights")
             return file_digest(source.weights)
         if source.builder == "minilm":
             return file_digest(text_encoder_path() / "model.safetensors")
@@ -67,6 +67,5 @@ def make_plan(config: SplitstageConfig) -> JobPlan:
     units = tuple(demo.units())
     pipeline = demo.pipeline_spec()
     split = plan_split(pipeline, config.trainable.models())
-    for name in config.models:
-        demo.check_models(config, [name])
+    demo.check_models(config, list(config.models))
     return JobPlan(config=config, pipeline=pipeline, units=units, split=split)

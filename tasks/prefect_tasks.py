@@ -9,7 +9,6 @@ is content-addressed already, and training resumes from its own checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +35,6 @@ from tasks.preprocess import (
 from tasks.storage import StorageUnreachableError
 from tasks.train import TrainReport, train
 
-_import_lock = threading.Lock()
 IO_RETRIES = 2
 IO_RETRY_DELAYS = [2.0, 10.0]
 # OSErrors that name a wrong path or a refused permission: retrying cannot fix them.
@@ -76,16 +74,6 @@ def _io_task(name: str, timeout_seconds: float | None, **options):
     )
 
 
-def warm_lazy_imports() -> None:
-    """Import transformers' Auto classes once, under a lock, before shards load models in threads.
-
-    transformers resolves them lazily, and two threads doing the first import at once fail with
-    "ImportError: cannot import name 'AutoModel' from 'transformers'".
-    """
-    with _import_lock, contextlib.suppress(ImportError):
-        from transformers import AutoModel, AutoTokenizer  # noqa: F401
-
-
 @_io_task("plan", timeout_seconds=600)
 def plan_job(config: SplitstageConfig) -> JobPlan:
     """Split the pipeline for the trainable models and derive the cache key (hashes weights)."""
@@ -120,7 +108,6 @@ def preprocess_shard_task(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ShardReport:
     """Compute and cache the V2 outputs of one shard's samples that are not cached yet."""
-    warm_lazy_imports()
     return preprocess_shard(
         config, shard, num_shards, plan=plan, data=data, progress=False, on_progress=on_progress
     )
