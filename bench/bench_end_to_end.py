@@ -19,11 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_job import demo_job  # noqa: E402
-
-from pipelines.digits import write_digits_dataset  # noqa: E402
-from pipelines.models import build_demo_weights  # noqa: E402
-from tasks.preprocess import preprocess  # noqa: E402
-from tasks.train import train  # noqa: E402
+from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
+from splitstage.pipelines.models import build_demo_weights  # noqa: E402
+from splitstage.tasks.preprocess import preprocess  # noqa: E402
+from splitstage.tasks.train import train  # noqa: E402
 
 WORK = Path("runs/bench/end_to_end")
 

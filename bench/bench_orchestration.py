@@ -38,15 +38,15 @@ def with_storage(config, folder: Path):
 
 def run_plain(config) -> dict[str, float]:
     """The pipeline as plain function calls, with the same shard threads as the flow."""
-    from tasks.job_plan import make_plan
-    from tasks.preprocess import (
+    from splitstage.tasks.job_plan import make_plan
+    from splitstage.tasks.preprocess import (
         CacheSnapshot,
         index_data_set,
         open_cache,
         preprocess_shard,
         summarize_preprocess,
     )
-    from tasks.train import train
+    from splitstage.tasks.train import train
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
@@ -80,7 +80,7 @@ def run_plain(config) -> dict[str, float]:
 
 def run_flow(config) -> dict[str, float]:
     """The split-training flow; its stage times come from the flow's summary."""
-    from flows.split_training import split_training
+    from splitstage.flows.split_training import split_training
 
     started = time.perf_counter()
     summary = split_training(config)
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.chdir(ROOT)
-    from pipelines.config import load_config
+    from splitstage.pipelines.config import load_config
+
     from splitstage.demo import prepare_inputs
 
     config = load_config(args.config)

@@ -24,15 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from pipelines import demo  # noqa: E402
-from pipelines.config import config_from_dict  # noqa: E402
-from pipelines.data import load_sample  # noqa: E402
-from pipelines.digits import write_digits_dataset  # noqa: E402
-from pipelines.models import build_demo_weights  # noqa: E402
-from pipelines.runtime import StepContext, run_units  # noqa: E402
-from tasks.job_plan import make_plan  # noqa: E402
-from tasks.preprocess import (  # noqa: E402
+from splitstage.pipelines import demo  # noqa: E402
+from splitstage.pipelines.config import config_from_dict  # noqa: E402
+from splitstage.pipelines.data import load_sample  # noqa: E402
+from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
+from splitstage.pipelines.models import build_demo_weights  # noqa: E402
+from splitstage.pipelines.runtime import StepContext, run_units  # noqa: E402
+from splitstage.tasks.job_plan import make_plan  # noqa: E402
+from splitstage.tasks.preprocess import (  # noqa: E402
     collate_samples,
     index_data_set,
     open_cache,

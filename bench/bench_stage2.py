@@ -26,12 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from demo_job import demo_job  # noqa: E402
-
-from pipelines.digits import write_digits_dataset  # noqa: E402
-from pipelines.models import DiT, build_demo_weights, load_weights, weights_config  # noqa: E402
-from tasks.preprocess import preprocess  # noqa: E402
-from tasks.stage2_models import add_lora  # noqa: E402
-from tasks.train import train  # noqa: E402
+from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
+from splitstage.pipelines.models import DiT, build_demo_weights, load_weights, weights_config  # noqa: E402
+from splitstage.tasks.preprocess import preprocess  # noqa: E402
+from splitstage.tasks.stage2_models import add_lora  # noqa: E402
+from splitstage.tasks.train import train  # noqa: E402
 
 WORK = Path("runs/bench/stage2")
 ENV = {"SPLITSTAGE_DEVICE": "cpu"}

@@ -22,12 +22,11 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.context import FlowRunContext
-
-from flows.loss_plot import loss_curve_png, png_data_uri
-from pipelines.config import SplitstageConfig
-from splitter.report import plan_rows
-from tasks.job_plan import JobPlan
-from tasks.preprocess import PreprocessReport
+from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.splitter.report import plan_rows
+from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.preprocess import PreprocessReport
 
 
 def artifact_key(config: SplitstageConfig, what: str) -> str:

@@ -12,9 +12,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from pipelines.config import ConfigError, SplitstageConfig
-from tasks.launcher import build_command
-from tasks.train import torchrun_spec
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.launcher import build_command
+from splitstage.tasks.train import torchrun_spec
 
 ENV_NNODES = "SPLITSTAGE_NNODES"
 ENV_NPROC_PER_NODE = "SPLITSTAGE_NPROC_PER_NODE"

@@ -2,7 +2,7 @@
 
 Every pod of the indexed Job made from infra/k8s/multinode-job-template.json runs
 
-    python -m flows.node_agent
+    python -m splitstage.flows.node_agent
 
 Pod 0 (JOB_COMPLETION_INDEX=0) executes the Prefect flow run (`prefect flow-run execute`), whose
 `train` flow starts torchrun as node 0. Every other pod reads the same flow run's parameters from
@@ -17,10 +17,10 @@ import os
 import sys
 from typing import Any
 
-from flows.multinode import apply_node_env, node_rank_from
-from flows.outputs import run_id_for, version_for, warm_start
-from pipelines.config import ConfigError, SplitstageConfig
-from tasks.train import train
+from splitstage.flows.multinode import apply_node_env, node_rank_from
+from splitstage.flows.outputs import run_id_for, version_for, warm_start
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.train import train
 
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"
 

@@ -14,10 +14,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from prefect.context import FlowRunContext
-
-from pipelines.config import ModelConfig, SplitstageConfig
-from tasks.storage import join, open_fs, write_atomic
-from tasks.train import TrainReport
+from splitstage.pipelines.config import ModelConfig, SplitstageConfig
+from splitstage.tasks.storage import join, open_fs, write_atomic
+from splitstage.tasks.train import TrainReport
 
 LATEST = "latest.json"
 POINTER_FORMAT = 1

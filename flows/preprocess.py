@@ -16,24 +16,23 @@ from typing import Any, Literal
 from prefect import flow, get_client, get_run_logger
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
-
-from flows.artifacts import (
+from splitstage.flows.artifacts import (
     Progress,
     artifact_key,
     is_top_level_run,
     publish_cache_stats,
     publish_plan,
 )
-from pipelines.config import ConfigError, SplitstageConfig
-from tasks.job_plan import JobPlan
-from tasks.prefect_tasks import (
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.prefect_tasks import (
     finish_preprocess,
     index_data,
     plan_job,
     preprocess_shard_task,
     snapshot_cache,
 )
-from tasks.preprocess import DataIndex, ShardReport
+from splitstage.tasks.preprocess import DataIndex, ShardReport
 
 FanOut = Literal["local", "deployment"]
 SHARD_DEPLOYMENT = "preprocess/gpu"

@@ -16,15 +16,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled
-
-from flows.artifacts import publish_plan, publish_summary
-from flows.cancel import stop_training
-from flows.outputs import current_version, run_id_for
-from flows.preprocess import FanOut, preprocess_flow
-from flows.train import REPORT_FILE, train_flow
-from pipelines.config import SplitstageConfig
-from tasks.prefect_tasks import plan_job
-from tasks.storage import open_fs
+from splitstage.flows.artifacts import publish_plan, publish_summary
+from splitstage.flows.cancel import stop_training
+from splitstage.flows.outputs import current_version, run_id_for
+from splitstage.flows.preprocess import FanOut, preprocess_flow
+from splitstage.flows.train import REPORT_FILE, train_flow
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.tasks.prefect_tasks import plan_job
+from splitstage.tasks.storage import open_fs
 
 
 @contextlib.contextmanager

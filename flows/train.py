@@ -14,22 +14,21 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
-
-from flows.artifacts import (
+from splitstage.flows.artifacts import (
     Progress,
     artifact_key,
     is_top_level_run,
     publish_loss_curve,
     publish_plan,
 )
-from flows.cancel import cancel_event, stop_training
-from flows.multinode import apply_node_env
-from flows.outputs import current_version, run_id_for, warm_start, write_latest
-from pipelines.config import SplitstageConfig
-from tasks.launcher import TorchrunError
-from tasks.prefect_tasks import plan_job, train_task
-from tasks.storage import join, open_fs, write_atomic
-from tasks.train import TrainReport
+from splitstage.flows.cancel import cancel_event, stop_training
+from splitstage.flows.multinode import apply_node_env
+from splitstage.flows.outputs import current_version, run_id_for, warm_start, write_latest
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.tasks.launcher import TorchrunError
+from splitstage.tasks.prefect_tasks import plan_job, train_task
+from splitstage.tasks.storage import join, open_fs, write_atomic
+from splitstage.tasks.train import TrainReport
 
 REPORT_FILE = "train-report.json"
 _UPDATE = re.compile(r"\bupdate (\d+)/(\d+)\b")

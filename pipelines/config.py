@@ -7,8 +7,7 @@ from typing import Any, Literal
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from splitter import UserError
+from splitstage.splitter import UserError
 
 
 class ConfigError(UserError, ValueError):

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from pipelines.config import ConfigError, ModelConfig, SplitstageConfig
-from pipelines.data import DataError
-from pipelines.models import (
+from splitstage.pipelines.config import ConfigError, ModelConfig, SplitstageConfig
+from splitstage.pipelines.data import DataError
+from splitstage.pipelines.models import (
     DiT,
     VAEEncoder,
     add_noise,
@@ -28,8 +27,8 @@ from pipelines.models import (
     sample_timesteps,
     weights_config,
 )
-from pipelines.runtime import RunnableUnit, StepContext
-from splitter import Pipeline, Unit
+from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.splitter import Pipeline, Unit
 
 MODEL_NAMES = ("text_encoder", "vae", "dit")
 DATA_FIELDS = ("image", "prompt", "height", "width")

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from splitter import Pipeline, PipelineSpecError, unit_from_dict
+from splitstage.splitter import Pipeline, PipelineSpecError, unit_from_dict
 
 # What DiffSynth's FlowMatchSFTLoss reads from the inputs, and what it makes fresh each step.
 DEFAULT_LOSS_PARAMS = ("input_latents",)

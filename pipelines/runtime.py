@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from splitter import Unit, UserError
+from splitstage.splitter import Unit, UserError
 
 
 class UnitRunError(UserError, RuntimeError):

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from splitter import (
+from splitstage.splitter import (
     UserError,
     assign_stages,
     layout_from_count,
@@ -96,8 +96,8 @@ def _shard(value: str) -> tuple[int, int]:
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
     """Stage 1: compute V2 outputs for samples not yet cached; print a one-line summary."""
-    from pipelines.config import load_config
-    from tasks.preprocess import preprocess
+    from splitstage.pipelines.config import load_config
+    from splitstage.tasks.preprocess import preprocess
 
     config = load_config(args.config)
     report = preprocess(config, workers=args.workers, shard=args.shard, progress=not args.json)
@@ -107,9 +107,9 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Stage 2: launch torchrun for this node, stream its output, print a summary."""
-    from pipelines.config import load_config
-    from tasks.launcher import TorchrunError
-    from tasks.train import train
+    from splitstage.pipelines.config import load_config
+    from splitstage.tasks.launcher import TorchrunError
+    from splitstage.tasks.train import train
 
     config = load_config(args.config)
     if args.nproc_per_node:
@@ -127,9 +127,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """Show or check the cache of a job: statistics, or every shard's size and checksum."""
-    from pipelines.config import load_config
-    from tasks.job_plan import make_plan
-    from tasks.preprocess import open_cache
+    from splitstage.pipelines.config import load_config
+    from splitstage.tasks.job_plan import make_plan
+    from splitstage.tasks.preprocess import open_cache
 
     config = load_config(args.config)
     store = open_cache(config, make_plan(config))
@@ -145,7 +145,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def cmd_data_digits(args: argparse.Namespace) -> int:
     """Write scikit-learn's handwritten digits as a DiffSynth-format image-caption data set."""
-    from pipelines.digits import write_digits_dataset
+    from splitstage.pipelines.digits import write_digits_dataset
 
     count = write_digits_dataset(args.out_dir, limit=args.limit, size=args.size)
     print(f"wrote {count} samples to {args.out_dir} (metadata.csv + images/)")
@@ -154,7 +154,7 @@ def cmd_data_digits(args: argparse.Namespace) -> int:
 
 def cmd_demo_weights(args: argparse.Namespace) -> int:
     """Write the demo's VAE and DiT weights (seeded inits standing in for pretrained files)."""
-    from pipelines.models import build_demo_weights
+    from splitstage.pipelines.models import build_demo_weights
 
     paths = build_demo_weights(args.out_dir, seed=args.seed)
     print(", ".join(f"{name}: {path}" for name, path in paths.items()))
@@ -163,8 +163,8 @@ def cmd_demo_weights(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check a job config and print its plan and cache key, without running anything."""
-    from pipelines.config import load_config
-    from tasks.job_plan import make_plan
+    from splitstage.pipelines.config import load_config
+    from splitstage.tasks.job_plan import make_plan
 
     plan = make_plan(load_config(args.config))
     print(plan_table(plan.split))

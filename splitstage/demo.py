@@ -51,8 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prepare_inputs(config) -> None:
     """Write the digits data set and the demo weights where the config expects them (once)."""
-    from pipelines.digits import write_digits_dataset
-    from pipelines.models import build_demo_weights
+    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.pipelines.models import build_demo_weights
 
     data = Path(config.data.base_path)
     if not (data / "metadata.csv").is_file():
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes one level
     os.chdir(ROOT)  # the demo config's paths are relative to the repository root
-    from pipelines.config import ConfigError, load_config
-    from splitter import UserError
+    from splitstage.pipelines.config import ConfigError, load_config
+    from splitstage.splitter import UserError
 
     try:
         config = load_config(args.config)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_inputs(config)
         if args.prepare_only:
             return 0
-        from flows.split_training import split_training
+        from splitstage.flows.split_training import split_training
 
         summary = split_training(config)
     except (ConfigError, UserError) as error:

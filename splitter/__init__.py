@@ -1,23 +1,29 @@
 """splitter: pure-Python V1/V2 split of a training pipeline's units (no torch, no prefect)."""
 
-from splitter.errors import (
+from splitstage.splitter.errors import (
     PipelineSpecError,
     SplitterError,
     StageAssignmentError,
     UnknownModelError,
     UserError,
 )
-from splitter.plan import PIPELINE_INPUT, SplitPlan, plan_split
-from splitter.report import plan_rows, plan_table
-from splitter.split import Reason, UnitSplit, split_units
-from splitter.stages import (
+from splitstage.splitter.plan import PIPELINE_INPUT, SplitPlan, plan_split
+from splitstage.splitter.report import plan_rows, plan_table
+from splitstage.splitter.split import Reason, UnitSplit, split_units
+from splitstage.splitter.stages import (
     ModuleLayout,
     assign_stages,
     layout_from_count,
     layout_from_fqns,
     validate_stages,
 )
-from splitter.units import Pipeline, Unit, parse_trainable, pipeline_from_dict, unit_from_dict
+from splitstage.splitter.units import (
+    Pipeline,
+    Unit,
+    parse_trainable,
+    pipeline_from_dict,
+    unit_from_dict,
+)
 
 split = plan_split
 

@@ -6,7 +6,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitter.units import Unit
+from splitstage.splitter.units import Unit
 
 
 @dataclass(frozen=True)

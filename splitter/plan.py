@@ -6,9 +6,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitter.errors import UnknownModelError, did_you_mean
-from splitter.split import split_units
-from splitter.units import Pipeline, parse_trainable
+from splitstage.splitter.errors import UnknownModelError, did_you_mean
+from splitstage.splitter.split import split_units
+from splitstage.splitter.units import Pipeline, parse_trainable
 
 PIPELINE_INPUT = "pipeline input"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitter.plan import SplitPlan
+from splitstage.splitter.plan import SplitPlan
 
 
 def plan_rows(plan: SplitPlan) -> list[dict]:

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
-from splitter.graph import UnitGraph, build_graph
-from splitter.units import Unit
+from splitstage.splitter.graph import UnitGraph, build_graph
+from splitstage.splitter.units import Unit
 
 
 @dataclass(frozen=True)

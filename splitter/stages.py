@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitter.errors import StageAssignmentError, did_you_mean
+from splitstage.splitter.errors import StageAssignmentError, did_you_mean
 
 _LAYER = re.compile(r"^(?P<prefix>.+)\.(?P<index>\d+)$")
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitter.errors import PipelineSpecError, did_you_mean
+from splitstage.splitter.errors import PipelineSpecError, did_you_mean
 
 UNIT_FIELDS = (
     "name",

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from splitter import UserError
-from tasks.storage import (
+from splitstage.splitter import UserError
+from splitstage.tasks.storage import (
     display_url,
     join,
     list_dir,

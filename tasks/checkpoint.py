@@ -26,6 +26,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from splitstage.splitter import UserError
+from splitstage.tasks.distributed import comm_device
+from splitstage.tasks.safe_dcp import SafeFsspecReader
+from splitstage.tasks.storage import join, open_fs, storage_errors, write_atomic
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -35,11 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-
-from splitter import UserError
-from tasks.distributed import comm_device
-from tasks.safe_dcp import SafeFsspecReader
-from tasks.storage import join, open_fs, storage_errors, write_atomic
 
 log = logging.getLogger(__name__)
 

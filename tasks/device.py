@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from splitter import UserError
+from splitstage.splitter import UserError
 
 
 def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:

@@ -8,13 +8,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.models import weights_config
+from splitstage.tasks.stage2_models import LORA_ADAPTER, Stage2Models
+from splitstage.tasks.storage import join, open_fs, write_atomic
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-from pipelines import demo
-from pipelines.config import SplitstageConfig
-from pipelines.models import weights_config
-from tasks.stage2_models import LORA_ADAPTER, Stage2Models
-from tasks.storage import join, open_fs, write_atomic
 
 
 def export_key(model_name: str, key: str, remove_prefix: str) -> str:

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pipelines import demo
-from pipelines.config import SplitstageConfig
-from pipelines.models import text_encoder_path
-from pipelines.runtime import RunnableUnit, select
-from splitter import Pipeline, SplitPlan, plan_split
-from tasks.fingerprint import cache_key, file_digest, stable_hash
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.models import text_encoder_path
+from splitstage.pipelines.runtime import RunnableUnit, select
+from splitstage.splitter import Pipeline, SplitPlan, plan_split
+from splitstage.tasks.fingerprint import cache_key, file_digest, stable_hash
 
 CACHE_DTYPE = "float32"
 

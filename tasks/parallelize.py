@@ -68,7 +68,7 @@ def _check_mode(mode: str, mesh: DeviceMesh | None, tp_plan) -> tuple:
     if mesh is not None and dp_mesh is None and tp_mesh is None:
         raise ValueError(
             f"mesh dims {mesh.mesh_dim_names} must be named 'dp' and/or 'tp'; build it with "
-            "tasks.distributed.build_mesh"
+            "splitstage.tasks.distributed.build_mesh"
         )
     if mode == "none" and mesh is not None and mesh.size() > 1:
         raise ValueError(

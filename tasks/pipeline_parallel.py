@@ -21,11 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-from pipelines import demo
-from pipelines.config import ConfigError, SplitstageConfig
-from pipelines.models import (
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.pipelines.models import (
     DiT,
     add_noise,
     dit_module_fqns,
@@ -34,12 +32,18 @@ from pipelines.models import (
     sample_noise,
     sample_timesteps,
 )
-from pipelines.runtime import StepContext, run_units
-from splitter import StageAssignmentError, assign_stages, layout_from_fqns, validate_stages
-from tasks.export import export_weights
-from tasks.stage2_models import Stage2Models, add_lora
-from tasks.train_worker import Trainer, step_generator, to_device
-from tasks.weights import materialize_and_load
+from splitstage.pipelines.runtime import StepContext, run_units
+from splitstage.splitter import (
+    StageAssignmentError,
+    assign_stages,
+    layout_from_fqns,
+    validate_stages,
+)
+from splitstage.tasks.export import export_weights
+from splitstage.tasks.stage2_models import Stage2Models, add_lora
+from splitstage.tasks.train_worker import Trainer, step_generator, to_device
+from splitstage.tasks.weights import materialize_and_load
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 DENOISER = "dit"
 STAGES = "train.nnodes * train.nproc_per_node"

@@ -17,11 +17,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
-
-from pipelines.config import SplitstageConfig
-from splitter import UserError
-from tasks.job_plan import JobPlan, make_plan
-from tasks.preprocess import (
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.splitter import UserError
+from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.preprocess import (
     CacheSnapshot,
     DataIndex,
     PreprocessReport,
@@ -32,8 +31,8 @@ from tasks.preprocess import (
     snapshot,
     summarize_preprocess,
 )
-from tasks.storage import StorageUnreachableError
-from tasks.train import TrainReport, train
+from splitstage.tasks.storage import StorageUnreachableError
+from splitstage.tasks.train import TrainReport, train
 
 IO_RETRIES = 2
 IO_RETRY_DELAYS = [2.0, 10.0]

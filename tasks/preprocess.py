@@ -17,16 +17,22 @@ from multiprocessing import get_context
 from typing import Any
 
 import torch
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.data import (
+    DataError,
+    Row,
+    load_metadata,
+    load_sample,
+    read_image_bytes,
+    sample_key,
+)
+from splitstage.pipelines.runtime import StepContext, run_units, split_batch
+from splitstage.splitter import UserError
+from splitstage.tasks.cache_store import CacheStore
+from splitstage.tasks.device import pick_device
+from splitstage.tasks.job_plan import JobPlan, make_plan
 from tqdm import tqdm
-
-from pipelines import demo
-from pipelines.config import SplitstageConfig
-from pipelines.data import DataError, Row, load_metadata, load_sample, read_image_bytes, sample_key
-from pipelines.runtime import StepContext, run_units, split_batch
-from splitter import UserError
-from tasks.cache_store import CacheStore
-from tasks.device import pick_device
-from tasks.job_plan import JobPlan, make_plan
 
 ProgressFn = Callable[[int, int], None]
 
@@ -298,7 +304,7 @@ def _flush(store: CacheStore, buffer: dict, count: int, report: ShardReport) -> 
 
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex):
     """Process-pool entry: rebuild the config, limit torch threads, run one shard."""
-    from pipelines.config import SplitstageConfig
+    from splitstage.pipelines.config import SplitstageConfig
 
     torch.set_num_threads(threads)
     config = SplitstageConfig.model_validate_json(config_json)

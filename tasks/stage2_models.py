@@ -6,14 +6,13 @@ from dataclasses import dataclass
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.distributed import DistInfo, build_mesh
+from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.parallelize import parallelize
+from splitstage.tasks.weights import materialize_and_load
 from torch import nn
-
-from pipelines import demo
-from pipelines.config import ConfigError, SplitstageConfig
-from tasks.distributed import DistInfo, build_mesh
-from tasks.job_plan import JobPlan
-from tasks.parallelize import parallelize
-from tasks.weights import materialize_and_load
 
 LORA_ADAPTER = "default"
 

@@ -18,8 +18,7 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
-
-from splitter import UserError
+from splitstage.splitter import UserError
 
 MASK = "***"
 _SECRET_NAMES = {

@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launcher import TorchrunSpec, run_torchrun
+from splitstage.tasks.pipeline_parallel import check_pp_config
+from splitstage.tasks.stage2_models import parallel_mode
+from splitstage.tasks.weights import WeightsError, check_weights_file
 
-from pipelines import demo
-from pipelines.config import ConfigError, SplitstageConfig
-from tasks.job_plan import make_plan
-from tasks.launcher import TorchrunSpec, run_torchrun
-from tasks.pipeline_parallel import check_pp_config
-from tasks.stage2_models import parallel_mode
-from tasks.weights import WeightsError, check_weights_file
-
-WORKER_MODULE = "tasks.train_worker"
+WORKER_MODULE = "splitstage.tasks.train_worker"
 
 
 @dataclass

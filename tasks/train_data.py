@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pipelines.config import SplitstageConfig
-from pipelines.data import load_sample
-from tasks.cache_reader import CacheDataset, epoch_order
-from tasks.cache_store import CacheStore
-from tasks.preprocess import collate_samples, index_data_set
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.data import load_sample
+from splitstage.tasks.cache_reader import CacheDataset, epoch_order
+from splitstage.tasks.cache_store import CacheStore
+from splitstage.tasks.preprocess import collate_samples, index_data_set
 
 
 class CachedBatches:

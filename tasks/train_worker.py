@@ -1,7 +1,7 @@
 """Stage 2, one rank: run V1 + the denoiser on cached boundary params, backprop, checkpoint, export.
 
 Started by torchrun through `tasks.train.launch_training`:
-    torchrun --nproc-per-node N -m tasks.train_worker RUN_DIR/spec.json
+    torchrun --nproc-per-node N -m splitstage.tasks.train_worker RUN_DIR/spec.json
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-
-from pipelines import demo
-from pipelines.config import ConfigError, SplitstageConfig
-from pipelines.runtime import StepContext, run_units
-from tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from tasks.device import pick_dtype
-from tasks.distributed import DistInfo, close_distributed, init_distributed
-from tasks.export import export_weights
-from tasks.job_plan import JobPlan, make_plan
-from tasks.preprocess import open_cache
-from tasks.stage2_models import Stage2Models, build_stage2_models
-from tasks.train_data import CachedBatches, RawBatches
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.pipelines.runtime import StepContext, run_units
+from splitstage.tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from splitstage.tasks.device import pick_dtype
+from splitstage.tasks.distributed import DistInfo, close_distributed, init_distributed
+from splitstage.tasks.export import export_weights
+from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.preprocess import open_cache
+from splitstage.tasks.stage2_models import Stage2Models, build_stage2_models
+from splitstage.tasks.train_data import CachedBatches, RawBatches
 
 
 def step_generator(seed: int, rank: int, batch_index: int, device: torch.device) -> torch.Generator:
@@ -284,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     trainer_cls = Trainer
     if spec["config"]["train"]["parallelism"] == "pp":
-        from tasks.pipeline_parallel import PipelineTrainer  # it imports this module
+        from splitstage.tasks.pipeline_parallel import PipelineTrainer  # it imports this module
 
         trainer_cls = PipelineTrainer
     try:

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from splitstage.splitter import UserError
+from splitstage.tasks.distributed import comm_device, default_device_type
+from splitstage.tasks.parallelize import logical_name
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,10 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor
-
-from splitter import UserError
-from tasks.distributed import comm_device, default_device_type
-from tasks.parallelize import logical_name
 
 STRATEGIES = ("slices", "broadcast")
 ADAPTER_SEGMENTS = {"lora_A", "lora_B"}

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+import splitstage.tasks.cache_store as cache_store_module
 import torch
-
-import tasks.cache_store as cache_store_module
-from tasks.cache_reader import CacheDataset
-from tasks.cache_store import CacheCorruptError, CacheStore
-from tasks.storage import (
+from splitstage.tasks.cache_reader import CacheDataset
+from splitstage.tasks.cache_store import CacheCorruptError, CacheStore
+from splitstage.tasks.storage import (
     StorageBucketNotFoundError,
     StorageCredentialsError,
     StorageError,
@@ -18,6 +17,7 @@ from tasks.storage import (
     open_fs,
     write_chains,
 )
+
 from tests.unit.test_cache_store import (
     assert_same,
     key_of,

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
-from tasks.checkpoint import (
+from splitstage.tasks.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from tasks.distributed import build_mesh
-from tasks.launcher import TorchrunSpec, build_command, free_port, is_alive, run_torchrun
-from tasks.parallelize import parallelize, resolve_tp_plan
+from splitstage.tasks.distributed import build_mesh
+from splitstage.tasks.launcher import TorchrunSpec, build_command, free_port, is_alive, run_torchrun
+from splitstage.tasks.parallelize import parallelize, resolve_tp_plan
+from torch import nn
+
 from tests.integration.workers.tiny import TP_PLAN, Tiny, add_lora
 
 WORKERS = Path(__file__).parent / "workers"
@@ -146,9 +146,9 @@ def test_build_command_single_and_multi_node():
 
 SINGLE_PROCESS = """
 import torch
-from tasks.checkpoint import load_checkpoint, save_checkpoint
-from tasks.distributed import build_mesh, close_distributed, init_distributed
-from tasks.parallelize import parallelize
+from splitstage.tasks.checkpoint import load_checkpoint, save_checkpoint
+from splitstage.tasks.distributed import build_mesh, close_distributed, init_distributed
+from splitstage.tasks.parallelize import parallelize
 from tiny import Tiny
 info = init_distributed()
 mesh = build_mesh(1, 1, info.world_size)

@@ -20,16 +20,15 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
-
-from pipelines.config import config_from_dict
-from pipelines.digits import write_digits_dataset
-from pipelines.models import build_demo_weights
-from tasks.cache_store import CacheStore
-from tasks.job_plan import make_plan
-from tasks.launcher import TorchrunError, free_port
-from tasks.preprocess import open_cache, preprocess
-from tasks.storage import StorageError
-from tasks.train import train
+from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.pipelines.models import build_demo_weights
+from splitstage.tasks.cache_store import CacheStore
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launcher import TorchrunError, free_port
+from splitstage.tasks.preprocess import open_cache, preprocess
+from splitstage.tasks.storage import StorageError
+from splitstage.tasks.train import train
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

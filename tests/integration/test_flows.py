@@ -9,15 +9,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from flows.artifacts import artifact_key, summary_markdown
-from flows.loss_plot import loss_curve_png
-from flows.multinode import apply_node_env, torchrun_command
-from flows.outputs import export_prefix, version_for
-from pipelines.config import ConfigError, SplitstageConfig
-from pipelines.data import DataError
-from tasks.prefect_tasks import is_transient_io_error, retry_on_io
-from tasks.storage import StorageCredentialsError, StorageUnreachableError
+from splitstage.flows.artifacts import artifact_key, summary_markdown
+from splitstage.flows.loss_plot import loss_curve_png
+from splitstage.flows.multinode import apply_node_env, torchrun_command
+from splitstage.flows.outputs import export_prefix, version_for
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.pipelines.data import DataError
+from splitstage.tasks.prefect_tasks import is_transient_io_error, retry_on_io
+from splitstage.tasks.storage import StorageCredentialsError, StorageUnreachableError
 
 CANARY_KEY_ID = "AKIACANARYKEYID0000"
 CANARY_SECRET = "canary-secret-must-never-be-shown-7f3a"
@@ -172,8 +171,8 @@ def run_texts(flow_run_ids) -> list[str]:
 
 @pytest.mark.slow
 def test_incremental_rerun_writes_new_version_and_artifacts(prefect_harness, tiny_job, tmp_path):
-    from flows.split_training import split_training
-    from pipelines.digits import write_digits_dataset
+    from splitstage.flows.split_training import split_training
+    from splitstage.pipelines.digits import write_digits_dataset
 
     job = "digits-incremental"
     config = tiny_job(job, samples=12)
@@ -212,8 +211,8 @@ def test_preprocess_flow_on_s3_keeps_credentials_out_of_the_dashboard(
     prefect_harness, tiny_job, s3_bucket, s3_endpoint, monkeypatch
 ):
     """Two local shards write the cache to S3 (training from S3 runs in test_deployments)."""
-    from flows.preprocess import preprocess_flow
-    from tasks.storage import open_fs
+    from splitstage.flows.preprocess import preprocess_flow
+    from splitstage.tasks.storage import open_fs
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", CANARY_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY_SECRET)
@@ -241,9 +240,8 @@ def test_preprocess_flow_on_s3_keeps_credentials_out_of_the_dashboard(
 def test_cancelling_training_ends_the_torchrun_process_tree(prefect_harness, tiny_job):
     from prefect import get_client
     from prefect.states import Cancelling
-
-    from flows.train import train_flow
-    from tasks.preprocess import preprocess
+    from splitstage.flows.train import train_flow
+    from splitstage.tasks.preprocess import preprocess
 
     config = SplitstageConfig.model_validate(
         tiny_job(
@@ -284,7 +282,7 @@ def training_processes() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if "torch.distributed.run" in command(p) or "tasks.train_worker" in command(p)
+        if "torch.distributed.run" in command(p) or "splitstage.tasks.train_worker" in command(p)
     ]
 
 
@@ -302,7 +300,7 @@ def wait_for_training_processes(timeout: float):
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any("tasks.train_worker" in command(p) for p in training_processes()):
+        if any("splitstage.tasks.train_worker" in command(p) for p in training_processes()):
             with get_client(sync_client=True) as client:
                 runs = client.read_flow_runs(
                     flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),

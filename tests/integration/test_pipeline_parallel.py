@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from splitstage.pipelines.config import ConfigError
+from splitstage.tasks.pipeline_parallel import check_pp_config
+from splitstage.tasks.train import train
 
-from pipelines.config import ConfigError
-from tasks.pipeline_parallel import check_pp_config
-from tasks.train import train
 from tests.integration.tiny_job import make_workspace, tiny_config
 
 pytestmark = pytest.mark.slow

@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-
-from pipelines import demo
-from pipelines.config import config_from_dict
-from pipelines.data import DataError
-from pipelines.digits import write_digits_dataset
-from pipelines.models import build_demo_weights
-from tasks.job_plan import make_plan
-from tasks.preprocess import index_data_set, open_cache, preprocess
+from splitstage.pipelines import demo
+from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.data import DataError
+from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.pipelines.models import build_demo_weights
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.preprocess import index_data_set, open_cache, preprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tasks.cache_store import CacheCorruptError, CacheStore
-from tasks.checkpoint import load_checkpoint, save_checkpoint
-from tasks.safe_dcp import UnsafeCheckpointError
-from tasks.weights import materialize_and_load
+from splitstage.tasks.cache_store import CacheCorruptError, CacheStore
+from splitstage.tasks.checkpoint import load_checkpoint, save_checkpoint
+from splitstage.tasks.safe_dcp import UnsafeCheckpointError
+from splitstage.tasks.weights import materialize_and_load
 
 
 class Payload:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.config import SplitstageConfig, config_from_dict
-from pipelines.digits import write_digits_dataset
-from pipelines.models import build_demo_weights
-from tasks.preprocess import preprocess
+from splitstage.pipelines.config import SplitstageConfig, config_from_dict
+from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.pipelines.models import build_demo_weights
+from splitstage.tasks.preprocess import preprocess
 
 
 def tiny_config(root: Path, name: str, seed: int, **train) -> SplitstageConfig:

@@ -1,6 +1,6 @@
 """Pipelines shaped like DiffSynth-Studio's, shared by splitter tests and benchmarks."""
 
-from splitter import Pipeline, Unit
+from splitstage.splitter import Pipeline, Unit
 
 
 def qwen_image_like() -> Pipeline:

@@ -12,12 +12,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+import splitstage.tasks.cache_store as cache_store_module
 import torch
-
-import tasks.cache_store as cache_store_module
-from tasks.cache_reader import CacheDataset, epoch_order
-from tasks.cache_store import CacheCorruptError, CacheStore, SampleNotCachedError
-from tasks.storage import StorageError, open_fs, redact, translate_error, write_atomic
+from splitstage.tasks.cache_reader import CacheDataset, epoch_order
+from splitstage.tasks.cache_store import CacheCorruptError, CacheStore, SampleNotCachedError
+from splitstage.tasks.storage import StorageError, open_fs, redact, translate_error, write_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = [
@@ -294,7 +293,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     from tests.unit.test_cache_store import make_samples
-    from tasks.cache_store import CacheStore
+    from splitstage.tasks.cache_store import CacheStore
     url, options, ids, size = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), 3
     store = CacheStore(url, "ck", options)
     for i in range(0, len(ids), size):

@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 from PIL import Image
-
-from pipelines.data import (
+from splitstage.pipelines.data import (
     DataError,
     load_metadata,
     load_sample,

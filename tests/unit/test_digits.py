@@ -1,9 +1,8 @@
 """The digits demo data set: readable by load_metadata, captioned, byte-for-byte reproducible."""
 
 from PIL import Image
-
-from pipelines.data import load_metadata, load_sample
-from pipelines.digits import write_digits_dataset
+from splitstage.pipelines.data import load_metadata, load_sample
+from splitstage.pipelines.digits import write_digits_dataset
 
 
 def _files(root):

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from pipelines.models import (
+from splitstage.pipelines.models import (
     DiT,
     VAEEncoder,
     add_noise,

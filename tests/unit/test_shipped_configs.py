@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from pipelines.config import SplitstageConfig, config_from_dict, load_config
+from splitstage.pipelines.config import SplitstageConfig, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -45,7 +44,8 @@ def load_entrypoint(entrypoint: str):
     import importlib
 
     path, name = entrypoint.split(":")
-    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    # flows/x.py is installed as splitstage.flows.x (setuptools package-dir mapping).
+    module = importlib.import_module("splitstage." + path.removesuffix(".py").replace("/", "."))
     return getattr(module, name)
 
 
@@ -164,7 +164,7 @@ def render(template: dict) -> dict:
 
 
 def test_multinode_template_is_an_indexed_job_with_one_c10d_rendezvous(monkeypatch):
-    from flows.multinode import apply_node_env, torchrun_command
+    from splitstage.flows.multinode import apply_node_env, torchrun_command
 
     template = json.loads((K8S / "multinode-job-template.json").read_text())
     job = render(template)["job_manifest"]
@@ -173,7 +173,7 @@ def test_multinode_template_is_an_indexed_job_with_one_c10d_rendezvous(monkeypat
     assert spec["completions"] == spec["parallelism"] == 2
     pod = spec["template"]
     container = pod["spec"]["containers"][0]
-    assert container["args"] == ["python", "-m", "flows.node_agent"]
+    assert container["args"] == ["python", "-m", "splitstage.flows.node_agent"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     env = {e["name"]: e for e in container["env"]}
     assert env["SPLITSTAGE_JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['job-name']")
@@ -197,11 +197,11 @@ def test_multinode_template_is_an_indexed_job_with_one_c10d_rendezvous(monkeypat
     assert "--rdzv-backend=c10d" in command and "--standalone" not in command
     assert "--rdzv-endpoint=train-abc-0.splitstage-rdzv:29500" in command
     assert {"--nnodes=2", "--nproc-per-node=8"} <= set(command)
-    assert command[-3:-1] == ["-m", "tasks.train_worker"]
+    assert command[-3:-1] == ["-m", "splitstage.tasks.train_worker"]
 
 
 def test_node_agents_use_the_flow_runs_version():
-    from flows.node_agent import node_job
+    from splitstage.flows.node_agent import node_job
 
     class FlowRun:
         id = "0f0e0d0c-0000-0000-0000-000000000000"

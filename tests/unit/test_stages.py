@@ -1,8 +1,7 @@
 """Pipeline-parallel stage assignment by module FQNs (torchtitan's module_fqns_per_model_part)."""
 
 import pytest
-
-from splitter import (
+from splitstage.splitter import (
     StageAssignmentError,
     assign_stages,
     layout_from_count,

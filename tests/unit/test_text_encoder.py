@@ -4,8 +4,7 @@ import socket
 
 import torch
 import torch.nn.functional as F
-
-from pipelines.models import encode_prompts, load_text_encoder
+from splitstage.pipelines.models import encode_prompts, load_text_encoder
 
 
 def test_real_text_encoder_offline(monkeypatch):

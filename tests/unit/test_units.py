@@ -1,8 +1,13 @@
 """Unit and pipeline records: DiffSynth field semantics and errors that name the field."""
 
 import pytest
-
-from splitter import PipelineSpecError, Unit, parse_trainable, pipeline_from_dict, unit_from_dict
+from splitstage.splitter import (
+    PipelineSpecError,
+    Unit,
+    parse_trainable,
+    pipeline_from_dict,
+    unit_from_dict,
+)
 
 
 def test_inputs_are_input_params_plus_posi_nega_values_sorted_unique():

@@ -17,14 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from splitstage.tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from splitstage.tasks.distributed import build_mesh, init_distributed
+from splitstage.tasks.parallelize import parallelize
+from splitstage.tasks.weights import materialize_and_load
 from tiny import TP_PLAN, Tiny, add_lora, init_buffers, reference_state
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-
-from tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from tasks.distributed import build_mesh, init_distributed
-from tasks.parallelize import parallelize
-from tasks.weights import materialize_and_load
 
 
 def parse() -> argparse.Namespace:
