@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitstage.tasks.cache_store import CacheStore, encode_shard  # noqa: E402
-from splitstage.tasks.storage import write_chains  # noqa: E402
+from splitstage.tasks.cache.storage import write_chains  # noqa: E402
+from splitstage.tasks.cache.store import CacheStore, encode_shard  # noqa: E402
 
 
 def demo_cached_sample(seed: int = 0) -> dict[str, Any]:

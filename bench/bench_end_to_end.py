@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_job import demo_job  # noqa: E402
+
+from splitstage.demo import write_demo_weights  # noqa: E402
 from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
-from splitstage.pipelines.models import build_demo_weights  # noqa: E402
-from splitstage.tasks.preprocess import preprocess  # noqa: E402
-from splitstage.tasks.train import train  # noqa: E402
+from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
+from splitstage.tasks.stage2.launch import train  # noqa: E402
 
 WORK = Path("runs/bench/end_to_end")
 
@@ -38,7 +39,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args(argv)
     write_digits_dataset(WORK / "data", limit=args.samples)
-    build_demo_weights(WORK / "weights")
+    write_demo_weights(WORK / "weights")
     shutil.rmtree(WORK / "cache", ignore_errors=True)
     shutil.rmtree(WORK / "out", ignore_errors=True)
     quiet = {

@@ -38,15 +38,14 @@ def with_storage(config, folder: Path):
 
 def run_plain(config) -> dict[str, float]:
     """The pipeline as plain function calls, with the same shard threads as the flow."""
-    from splitstage.tasks.job_plan import make_plan
-    from splitstage.tasks.preprocess import (
+    from splitstage.tasks.data_index import index_data_set
+    from splitstage.tasks.plan import make_plan, open_cache
+    from splitstage.tasks.stage1.preprocess import (
         CacheSnapshot,
-        index_data_set,
-        open_cache,
         preprocess_shard,
         summarize_preprocess,
     )
-    from splitstage.tasks.train import train
+    from splitstage.tasks.stage2.launch import train
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
@@ -126,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.chdir(ROOT)
-    from splitstage.pipelines.config import load_config
-
     from splitstage.demo import prepare_inputs
+    from splitstage.pipelines.config import load_config
 
     config = load_config(args.config)
     if args.limit:

@@ -24,19 +24,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from splitstage.pipelines import demo  # noqa: E402
+
+from splitstage.demo import write_demo_weights  # noqa: E402
 from splitstage.pipelines.config import config_from_dict  # noqa: E402
-from splitstage.pipelines.data import load_sample  # noqa: E402
 from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
-from splitstage.pipelines.models import build_demo_weights  # noqa: E402
-from splitstage.pipelines.runtime import StepContext, run_units  # noqa: E402
-from splitstage.tasks.job_plan import make_plan  # noqa: E402
-from splitstage.tasks.preprocess import (  # noqa: E402
-    collate_samples,
-    index_data_set,
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
+from splitstage.tasks.data_index import index_data_set
+from splitstage.tasks.plan import (
+    make_plan,  # noqa: E402
     open_cache,
-    preprocess,
 )
+from splitstage.tasks.stage1.preprocess import preprocess
 
 WORK = Path("runs/bench/preprocess")
 
@@ -63,12 +61,13 @@ def torch_save_bytes(config, count: int = 16) -> float:
     plan = make_plan(config)
     data = index_data_set(config)
     device = torch.device("cpu")
-    models = {m: demo.build_model(config, m, device) for m in plan.split.models["stage1"]}
-    ctx = StepContext(models=models, device=device, settings=demo.settings(config))
+    family = plan.family
+    models = {m: family.build_model(m, device) for m in plan.split.models["stage1"]}
+    ctx = StepContext(models=models, device=device, settings=family.settings())
     total = 0
     with torch.no_grad():
         for row in data.rows[:count]:
-            sample = load_sample(row, config.data.base_path, config.pipeline.image_size)
+            sample = family.load_sample(row, config.data.base_path)
             inputs = run_units(plan.v2_units, ctx, collate_samples([sample]))
             buffer = io.BytesIO()
             torch.save(inputs, buffer)
@@ -81,7 +80,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--samples", type=int, default=512)
     args = parser.parse_args(argv)
     write_digits_dataset(WORK / "data", limit=args.samples)
-    build_demo_weights(WORK / "weights")
+    write_demo_weights(WORK / "weights")
     times = {}
     for label, workers, threads in (("1x1", 1, 1), ("2x1", 2, 1), ("1xall", 1, None)):
         cache = f"cache-{label}"

@@ -26,11 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from demo_job import demo_job  # noqa: E402
+
+from splitstage.demo import write_demo_weights  # noqa: E402
 from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
-from splitstage.pipelines.models import DiT, build_demo_weights, load_weights, weights_config  # noqa: E402
-from splitstage.tasks.preprocess import preprocess  # noqa: E402
-from splitstage.tasks.stage2_models import add_lora  # noqa: E402
-from splitstage.tasks.train import train  # noqa: E402
+from splitstage.pipelines.family import family_for  # noqa: E402
+from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
+from splitstage.tasks.stage2.launch import train  # noqa: E402
+from splitstage.tasks.stage2.models import add_lora  # noqa: E402
 
 WORK = Path("runs/bench/stage2")
 ENV = {"SPLITSTAGE_DEVICE": "cpu"}
@@ -54,10 +56,9 @@ def steady(step_seconds: list[float]) -> float:
 def denoiser_alone(config, updates: int, batch: int) -> float:
     """Median forward+backward+step time of the LoRA DiT on in-memory tensors, 1 thread."""
     torch.set_num_threads(1)
-    path = config.models["dit"].weights
-    model = DiT(**weights_config(path))
-    load_weights(model, path)
-    model = add_lora(model, config)
+    family = family_for(config)
+    model = family.build_model(family.denoiser, torch.device("cpu"))
+    model = add_lora(model, config, family)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     latents = torch.randn(batch, 4, 8, 8)
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
     write_digits_dataset(WORK / "data", limit=args.samples)
-    build_demo_weights(WORK / "weights")
+    write_demo_weights(WORK / "weights")
     split_cfg = job("bench-split", args.samples, args.updates, args.batch)
     preprocess(split_cfg, workers=1, progress=False)
     quiet = {"env": ENV, "on_line": lambda line: None, "run_root": WORK / "runs"}

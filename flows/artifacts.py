@@ -22,11 +22,12 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.context import FlowRunContext
+
 from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.splitter.report import plan_rows
-from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.preprocess import PreprocessReport
+from splitstage.tasks.plan import JobPlan
+from splitstage.tasks.stage1.preprocess import PreprocessReport
 
 
 def artifact_key(config: SplitstageConfig, what: str) -> str:

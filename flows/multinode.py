@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.tasks.launcher import build_command
-from splitstage.tasks.train import torchrun_spec
+from splitstage.tasks.stage2.launch import torchrun_spec
+from splitstage.tasks.stage2.torchrun import build_command
 
 ENV_NNODES = "SPLITSTAGE_NNODES"
 ENV_NPROC_PER_NODE = "SPLITSTAGE_NPROC_PER_NODE"

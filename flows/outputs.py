@@ -14,9 +14,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from prefect.context import FlowRunContext
+
 from splitstage.pipelines.config import ModelConfig, SplitstageConfig
-from splitstage.tasks.storage import join, open_fs, write_atomic
-from splitstage.tasks.train import TrainReport
+from splitstage.tasks.cache.storage import join, write_atomic
+from splitstage.tasks.outputs import open_output
+from splitstage.tasks.stage2.launch import TrainReport
 
 LATEST = "latest.json"
 POINTER_FORMAT = 1
@@ -47,10 +49,8 @@ def job_url(config: SplitstageConfig) -> str:
 
 
 def _output_fs(config: SplitstageConfig):
-    """The output filesystem (S3 outputs use the cache's non-secret options, like the export)."""
-    url = job_url(config)
-    options = config.cache.storage_options if url.startswith("s3://") else None
-    return open_fs(url, options)
+    """The job folder's filesystem and path."""
+    return open_output(config, job_url(config))
 
 
 def write_latest(

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from prefect import flow, get_client, get_run_logger
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
+
 from splitstage.flows.artifacts import (
     Progress,
     artifact_key,
@@ -23,16 +24,17 @@ from splitstage.flows.artifacts import (
     publish_cache_stats,
     publish_plan,
 )
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.prefect_tasks import (
+from splitstage.flows.tasks import (
     finish_preprocess,
     index_data,
     plan_job,
     preprocess_shard_task,
     snapshot_cache,
 )
-from splitstage.tasks.preprocess import DataIndex, ShardReport
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.data_index import DataIndex
+from splitstage.tasks.plan import JobPlan
+from splitstage.tasks.stage1.preprocess import ShardReport
 
 FanOut = Literal["local", "deployment"]
 SHARD_DEPLOYMENT = "preprocess/gpu"

@@ -16,14 +16,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled
+
 from splitstage.flows.artifacts import publish_plan, publish_summary
 from splitstage.flows.cancel import stop_training
 from splitstage.flows.outputs import current_version, run_id_for
 from splitstage.flows.preprocess import FanOut, preprocess_flow
+from splitstage.flows.tasks import plan_job
 from splitstage.flows.train import REPORT_FILE, train_flow
 from splitstage.pipelines.config import SplitstageConfig
-from splitstage.tasks.prefect_tasks import plan_job
-from splitstage.tasks.storage import open_fs
+from splitstage.tasks.outputs import open_output
 
 
 @contextlib.contextmanager
@@ -60,7 +61,7 @@ def train_on_deployment(
             f"training run {run.name} of {deployment} ended {run.state.name}: {run.state.message}"
         )
     url = f"{config.output.url.rstrip('/')}/{run_id_for(config, version)}/{REPORT_FILE}"
-    fs, path = open_fs(url, config.cache.storage_options if url.startswith("s3://") else None)
+    fs, path = open_output(config, url)
     return json.loads(fs.cat_file(path))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
+
 from splitstage.flows.artifacts import (
     Progress,
     artifact_key,
@@ -24,11 +25,12 @@ from splitstage.flows.artifacts import (
 from splitstage.flows.cancel import cancel_event, stop_training
 from splitstage.flows.multinode import apply_node_env
 from splitstage.flows.outputs import current_version, run_id_for, warm_start, write_latest
+from splitstage.flows.tasks import plan_job, train_task
 from splitstage.pipelines.config import SplitstageConfig
-from splitstage.tasks.launcher import TorchrunError
-from splitstage.tasks.prefect_tasks import plan_job, train_task
-from splitstage.tasks.storage import join, open_fs, write_atomic
-from splitstage.tasks.train import TrainReport
+from splitstage.tasks.cache.storage import join, write_atomic
+from splitstage.tasks.outputs import open_output
+from splitstage.tasks.stage2.launch import TrainReport
+from splitstage.tasks.stage2.torchrun import TorchrunError
 
 REPORT_FILE = "train-report.json"
 _UPDATE = re.compile(r"\bupdate (\d+)/(\d+)\b")
@@ -49,7 +51,7 @@ def log_lines(progress: Progress) -> Callable[[str], None]:
 def write_report(config: SplitstageConfig, report: TrainReport, extra: dict[str, Any]) -> str:
     """`<output>/train-report.json` (figures, losses, weights): the run's record; its URL."""
     url = report.output_url
-    fs, root = open_fs(url, config.cache.storage_options if url.startswith("s3://") else None)
+    fs, root = open_output(config, url)
     write_atomic(fs, join(root, REPORT_FILE), json.dumps({**report.to_dict(), **extra}).encode())
     return f"{url.rstrip('/')}/{REPORT_FILE}"
 

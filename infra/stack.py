@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-from splitstage.tasks.launcher import free_port
+
+from splitstage.tasks.stage2.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK_ID_ENV = "SPLITSTAGE_STACK_ID"

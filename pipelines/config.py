@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+
 from splitstage.splitter import UserError
 
 
@@ -28,21 +38,90 @@ class JobConfig(Group):
 
 
 class PipelineConfig(Group):
-    """Which pipeline family and its shape settings (part of the cache key)."""
+    """Base of every family's `[pipeline]` group: `name` picks the family; the rest are settings.
 
-    name: Literal["demo"] = Field("demo", description="Pipeline family; 'demo' is text-to-image.")
-    image_size: int = Field(64, ge=16, le=4096, description="Images are resized to this square.")
-    max_prompt_length: int = Field(16, ge=1, le=512, description="Prompt tokens kept.")
-    caption_dropout: float = Field(
-        0.1, ge=0.0, le=1.0, description="Per-step chance to swap in the empty-prompt embedding."
-    )
+    A family's group declares each setting once with `setting(..., stage1=...)`: the cache key takes
+    exactly the settings marked as changing stage-1 outputs, so no second hand-kept list can go
+    stale. Groups are torch-free, so `validate` and the Prefect UI form stay light.
+    """
 
-    @field_validator("image_size")
+    name: str = Field(description="Pipeline family (see `splitstage families`).")
+    family_class: ClassVar[str] = ""  # "module:Class" of the family, imported only when used
+
     @classmethod
-    def _multiple_of_16(cls, value: int) -> int:
-        if value % 16:
-            raise ValueError(f"must be a multiple of 16 (VAE x8, patch x2), got {value}")
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for name, info in cls.model_fields.items():
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            if name != "name" and STAGE1 not in extra:
+                raise TypeError(
+                    f"{cls.__name__}.{name}: declare it with setting(..., stage1=True|False) so "
+                    "the cache key knows whether it changes stage-1 outputs"
+                )
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting the family's units and training step read."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name != "name"}
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The settings that change stage-1 outputs (part of the cache key)."""
+        fields = type(self).model_fields
+        return {
+            name: getattr(self, name)
+            for name, info in fields.items()
+            if name != "name" and (info.json_schema_extra or {}).get(STAGE1)
+        }
+
+
+STAGE1 = "changes_stage1"
+
+
+def setting(default: Any = ..., *, stage1: bool, **kwargs: Any) -> Any:
+    """A family setting: `stage1=True` when it changes what stage 1 computes (the cache key)."""
+    return Field(default, json_schema_extra={STAGE1: stage1}, **kwargs)
+
+
+def _pipeline_group(value: Any, handler: Any) -> PipelineConfig:
+    """Validate `[pipeline]` as the config group of the family its `name` picks (default demo)."""
+    if isinstance(value, PipelineConfig):
         return value
+    if not isinstance(value, dict):
+        return handler(value)
+    from splitstage.pipelines.registry import UnknownFamilyError, config_class
+
+    name = value.get("name", DEFAULT_FAMILY)
+    try:
+        group = config_class(name)
+    except UnknownFamilyError as error:
+        raise ValidationError.from_exception_data(
+            "PipelineConfig",
+            [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": error}}],
+        ) from None
+    return group.model_validate({**value, "name": name})
+
+
+def _default_pipeline() -> PipelineConfig:
+    return _pipeline_group({}, None)
+
+
+class _AnyFamilySchema:
+    """JSON schema of `[pipeline]` for the Prefect UI form: one of the registered families."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        from splitstage.pipelines.registry import config_class, family_names
+
+        options = []
+        for name in family_names():
+            schema = config_class(name).model_json_schema()
+            schema.pop("$defs", None)
+            options.append(schema)
+        return {"oneOf": options, "title": "Pipeline", "description": PipelineConfig.__doc__}
+
+
+DEFAULT_FAMILY = "demo"
+AnyPipelineConfig = Annotated[
+    SerializeAsAny[PipelineConfig], WrapValidator(_pipeline_group), _AnyFamilySchema()
+]
 
 
 class ModelConfig(Group):
@@ -66,9 +145,8 @@ class TrainableConfig(Group):
 
     full: list[str] = Field(default_factory=list, description="Models trained in full.")
     lora_base_model: str | None = Field(None, description="Model to train with LoRA.")
-    lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out"],
-        description="Module names LoRA adapts.",
+    lora_target_modules: list[str] | None = Field(
+        None, description="Module names LoRA adapts; default: the family's usual targets."
     )
     lora_rank: int = Field(8, ge=1, le=1024)
     lora_alpha: float | None = Field(None, description="Defaults to the rank.")
@@ -178,7 +256,7 @@ class SplitstageConfig(Group):
     """A whole job: what to train, on what data, where the cache and outputs live."""
 
     job: JobConfig = Field(default_factory=JobConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    pipeline: AnyPipelineConfig = Field(default_factory=_default_pipeline)
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     trainable: TrainableConfig = Field(default_factory=TrainableConfig)
     data: DataConfig = Field(default_factory=DataConfig)

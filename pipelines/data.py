@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+
 from splitstage.splitter import UserError
 
 REQUIRED_COLUMNS = ("image", "prompt")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from splitstage.splitter import Unit, UserError
 
 
@@ -96,3 +97,12 @@ def split_batch(batch: Mapping[str, Any], params: Iterable[str], size: int) -> l
             else:
                 sample[param] = value
     return samples
+
+
+def collate_samples(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stack image tensors; keep every other field as a per-sample list."""
+    batch: dict[str, Any] = {}
+    for name in samples[0]:
+        values = [sample[name] for sample in samples]
+        batch[name] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
+    return batch

@@ -97,7 +97,7 @@ def _shard(value: str) -> tuple[int, int]:
 def cmd_preprocess(args: argparse.Namespace) -> int:
     """Stage 1: compute V2 outputs for samples not yet cached; print a one-line summary."""
     from splitstage.pipelines.config import load_config
-    from splitstage.tasks.preprocess import preprocess
+    from splitstage.tasks.stage1.preprocess import preprocess
 
     config = load_config(args.config)
     report = preprocess(config, workers=args.workers, shard=args.shard, progress=not args.json)
@@ -108,8 +108,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Stage 2: launch torchrun for this node, stream its output, print a summary."""
     from splitstage.pipelines.config import load_config
-    from splitstage.tasks.launcher import TorchrunError
-    from splitstage.tasks.train import train
+    from splitstage.tasks.stage2.launch import train
+    from splitstage.tasks.stage2.torchrun import TorchrunError
 
     config = load_config(args.config)
     if args.nproc_per_node:
@@ -128,8 +128,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """Show or check the cache of a job: statistics, or every shard's size and checksum."""
     from splitstage.pipelines.config import load_config
-    from splitstage.tasks.job_plan import make_plan
-    from splitstage.tasks.preprocess import open_cache
+    from splitstage.tasks.plan import make_plan, open_cache
 
     config = load_config(args.config)
     store = open_cache(config, make_plan(config))
@@ -154,9 +153,9 @@ def cmd_data_digits(args: argparse.Namespace) -> int:
 
 def cmd_demo_weights(args: argparse.Namespace) -> int:
     """Write the demo's VAE and DiT weights (seeded inits standing in for pretrained files)."""
-    from splitstage.pipelines.models import build_demo_weights
+    from splitstage.demo import write_demo_weights
 
-    paths = build_demo_weights(args.out_dir, seed=args.seed)
+    paths = write_demo_weights(args.out_dir, seed=args.seed)
     print(", ".join(f"{name}: {path}" for name, path in paths.items()))
     return 0
 
@@ -164,7 +163,7 @@ def cmd_demo_weights(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check a job config and print its plan and cache key, without running anything."""
     from splitstage.pipelines.config import load_config
-    from splitstage.tasks.job_plan import make_plan
+    from splitstage.tasks.plan import make_plan
 
     plan = make_plan(load_config(args.config))
     print(plan_table(plan.split))

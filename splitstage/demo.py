@@ -49,10 +49,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_demo_weights(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """The demo's VAE and DiT weights files (seeded inits standing in for pretrained files)."""
+    from splitstage.pipelines.demo.weights import build_demo_weights
+
+    return build_demo_weights(out_dir, seed=seed)
+
+
 def prepare_inputs(config) -> None:
     """Write the digits data set and the demo weights where the config expects them (once)."""
     from splitstage.pipelines.digits import write_digits_dataset
-    from splitstage.pipelines.models import build_demo_weights
 
     data = Path(config.data.base_path)
     if not (data / "metadata.csv").is_file():
@@ -65,7 +71,7 @@ def prepare_inputs(config) -> None:
     if missing:
         folder = Path(missing[0]).parent
         print(f"writing demo weights to {folder} ...", flush=True)
-        build_demo_weights(folder, seed=config.job.seed)
+        write_demo_weights(folder, seed=config.job.seed)
 
 
 def print_summary(summary: dict, wall: float) -> None:

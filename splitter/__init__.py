@@ -25,8 +25,6 @@ from splitstage.splitter.units import (
     unit_from_dict,
 )
 
-split = plan_split
-
 __all__ = [
     "PIPELINE_INPUT",
     "ModuleLayout",
@@ -48,7 +46,6 @@ __all__ = [
     "plan_rows",
     "plan_split",
     "plan_table",
-    "split",
     "split_units",
     "unit_from_dict",
     "validate_stages",

@@ -14,7 +14,7 @@ class UnitGraph:
     """Per-unit inputs/outputs, producer->consumer edges with their param, and updating chains."""
 
     inputs: list[tuple[str, ...]]
-    outputs: list[tuple[str, ...]]
+    outputs: list[Sequence[str]]  # each unit's output_params as declared: a bare str is its chars
     successors: list[list[tuple[int, str]]]  # per producer: (consumer, param); do not mutate
     chains: dict[str, list[int]]
 
@@ -28,7 +28,10 @@ class UnitGraph:
 
 
 def build_graph(units: Sequence[Unit]) -> UnitGraph:
-    """Build edges (Definition 1) and updating chains in one linear pass over the units."""
+    """Build edges (Definition 1) and updating chains in one linear pass over the units.
+
+    Like DiffSynth-Studio's `fetch_*_params`, iterating a bare-string field yields its characters.
+    """
     inputs = [unit.inputs for unit in units]
     outputs = [unit.output_params for unit in units]
     successors: list[list[tuple[int, str]]] = [[] for _ in units]

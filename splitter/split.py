@@ -67,7 +67,10 @@ class UnitSplit:
 
 
 def seed_units(units: Sequence[Unit], models: Iterable[str]) -> dict[int, tuple]:
-    """X_0: units calling a trainable model, plus per-step units (the splitstage extension)."""
+    """X_0: units calling a trainable model, plus per-step units (the splitstage extension).
+
+    The test is DiffSynth-Studio's `model in onload_model_names`: a substring test on a bare string.
+    """
     models = tuple(models)
     why: dict[int, tuple] = {}
     for index, unit in enumerate(units):

@@ -80,6 +80,9 @@ def assign_stages(
     last as `last_stage_less_layers` heavier (its output modules); virtual layers are then spread
     evenly, earlier stages taking the remainder. With `layers_per_stage`, the number of stages is
     derived and must be a multiple of `num_stages` (the pipeline degree) when both are given.
+    As torchtitan's `generate_llm_fqn_per_model_part` does, more than one stage is refused when
+    `first_stage_less_layers` or `last_stage_less_layers` exceeds the minimum layers per stage,
+    (layers + first + last) // stages; equal is allowed (that stage may hold no layer).
     """
     if first_stage_less_layers < 0 or last_stage_less_layers < 0:
         raise StageAssignmentError(
@@ -107,6 +110,14 @@ def assign_stages(
             f"(+{first_stage_less_layers} first, +{last_stage_less_layers} last); use at most "
             f"{effective} stages"
         )
+    if num_stages > 1:  # torchtitan gives a single stage everything, unchecked
+        _check_less_layers(
+            len(layout.layers),
+            num_stages,
+            first_stage_less_layers,
+            last_stage_less_layers,
+            layers_per_stage,
+        )
     if layers_per_stage is not None:
         sizes = [layers_per_stage] * num_stages
         sizes[-1] = effective - layers_per_stage * (num_stages - 1)
@@ -130,6 +141,82 @@ def assign_stages(
             part += layout.outputs
         parts.append(part)
     return parts
+
+
+def _weights_fit(
+    num_layers: int, num_stages: int, first: int, last: int, layers_per_stage: int | None
+) -> bool:
+    """torchtitan's balance check: neither stage weight above (layers+first+last) // stages."""
+    effective = num_layers + first + last
+    if layers_per_stage is not None:
+        num_stages = math.ceil(effective / layers_per_stage)
+    if num_stages <= 1:
+        return True
+    minimum = effective // num_stages
+    return first <= minimum and last <= minimum
+
+
+def _largest_fit(fits, start: int) -> int | None:
+    """The largest value in [0, start] that `fits`, searching down (None if none, or too far)."""
+    for value in range(start, max(-1, start - 10_000), -1):
+        if fits(value):
+            return value
+    return None
+
+
+def _check_less_layers(
+    num_layers: int,
+    num_stages: int,
+    first: int,
+    last: int,
+    layers_per_stage: int | None = None,
+) -> None:
+    """Refuse what torchtitan's `generate_llm_fqn_per_model_part` refuses: a first or last stage
+    weight (its `input_weight`, `output_weight`) above the minimum layers per stage,
+    (layers + first + last) // stages, which leaves that stage little more than its embed/head."""
+    minimum = (num_layers + first + last) // num_stages
+    over = [
+        (option, weight, value)
+        for option, weight, value in (
+            ("first_stage_less_layers", "input_weight", first),
+            ("last_stage_less_layers", "output_weight", last),
+        )
+        if value > minimum
+    ]
+    if not over:
+        return
+    # The largest value(s) that pass, the other option unchanged (or both lowered together).
+    if len(over) == 2:
+        fix = _largest_fit(
+            lambda b: _weights_fit(num_layers, num_stages, b, b, layers_per_stage),
+            min(max(first, last) - 1, num_layers),
+        )
+    elif over[0][2] == first:
+        fix = _largest_fit(
+            lambda f: _weights_fit(num_layers, num_stages, f, last, layers_per_stage),
+            min(first - 1, num_layers + last),
+        )
+    else:
+        fix = _largest_fit(
+            lambda b: _weights_fit(num_layers, num_stages, first, b, layers_per_stage),
+            min(last - 1, num_layers + first),
+        )
+    fits = (num_layers + first + last) // max(value for _, _, value in over)
+    said = " and ".join(f"{option}={value}" for option, _, value in over)
+    torchtitan = " ".join(
+        f"{weight} ({value}) exceeds minimum layers per stage ({minimum})."
+        for _, weight, value in over
+    )
+    lower = " and ".join(option for option, _, _ in over)
+    if fix is not None:
+        lower += f" to at most {fix}"
+    raise StageAssignmentError(
+        f"{said} {'exceed' if len(over) > 1 else 'exceeds'} the minimum layers per stage "
+        f"({minimum}) of {num_stages} stages over {num_layers} layers (+{first} first, "
+        f"+{last} last), as torchtitan's generate_llm_fqn_per_model_part refuses: "
+        f'"{torchtitan}" Lower {lower}, or use fewer stages (at most {fits}'
+        f"{'; raise layers_per_stage' if layers_per_stage is not None else ''})"
+    )
 
 
 def validate_stages(parts: Sequence[Sequence[str]], modules: Sequence[str]) -> list[list[str]]:

@@ -1,13 +1,22 @@
-"""Units and pipelines: DiffSynth-Studio's PipelineUnit fields plus `per_step`, validated."""
+"""Units and pipelines: DiffSynth-Studio's PipelineUnit fields plus `per_step`, validated.
+
+A name field (`input_params`, `output_params`, `onload_model_names`) may be a bare string, as
+DiffSynth-Studio pipelines declare when a one-element tuple lost its comma (`("noise")`). Such a
+string is kept as declared and read exactly as DiffSynth-Studio reads it: iterating it (to build
+a unit's inputs and outputs) yields its characters, and `model in onload_model_names` (the
+trainable-model test) is a substring test. The plan warns about every such field.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splitstage.splitter.errors import PipelineSpecError, did_you_mean
 
+# Unit fields DiffSynth-Studio iterates or `in`-tests, so a bare string there has a meaning.
+STRING_FIELDS = ("input_params", "output_params", "onload_model_names")
 UNIT_FIELDS = (
     "name",
     "input_params",
@@ -29,22 +38,58 @@ PIPELINE_FIELDS = (
 
 @dataclass(frozen=True)
 class Unit:
-    """One pipeline step: the params it reads and writes and the models it calls."""
+    """One pipeline step: the params it reads and writes and the models it calls.
+
+    `input_params`, `output_params` and `onload_model_names` are tuples of names, or a bare string
+    kept as declared and read as DiffSynth-Studio reads it (see the module docstring).
+    """
 
     name: str
-    input_params: tuple[str, ...] = ()
+    input_params: tuple[str, ...] | str = ()
     input_params_posi: Mapping[str, str] = field(default_factory=dict)
     input_params_nega: Mapping[str, str] = field(default_factory=dict)
-    output_params: tuple[str, ...] = ()
-    onload_model_names: tuple[str, ...] = ()
+    output_params: tuple[str, ...] | str = ()
+    onload_model_names: tuple[str, ...] | str = ()
     per_step: bool = False
     inputs: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # The STRING_FIELDS declared as a bare string (usually empty).
+    string_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        params = set(self.input_params)
+        params = set(self.input_params)  # a bare string adds its characters, as DiffSynth's loop
         params.update(self.input_params_posi.values())
         params.update(self.input_params_nega.values())
         object.__setattr__(self, "inputs", tuple(sorted(params)))
+        strings = ()
+        if (
+            isinstance(self.input_params, str)
+            or isinstance(self.output_params, str)
+            or isinstance(self.onload_model_names, str)
+        ):
+            strings = tuple(f for f in STRING_FIELDS if isinstance(getattr(self, f), str))
+        object.__setattr__(self, "string_fields", strings)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models this unit calls; a bare-string `onload_model_names` names one model."""
+        names = self.onload_model_names
+        if isinstance(names, str):
+            return (names,) if names else ()
+        return names
+
+    def uses_model(self, model: str) -> bool:
+        """DiffSynth-Studio's trainable test `model in onload_model_names` (substring on a str)."""
+        return model in self.onload_model_names
+
+    def as_intended(self, fields: Iterable[str] | None = None) -> Unit:
+        """This unit with bare-string `fields` (default: all) read as one name: "x" -> ("x",)."""
+        fields = self.string_fields if fields is None else fields
+        changes = {}
+        for name in fields:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                changes[name] = (value,) if value else ()
+        return replace(self, **changes) if changes else self
 
     def fetch_input_params(self) -> list[str]:
         """All params read: `input_params` plus posi/nega values, sorted, unique (as DiffSynth)."""
@@ -55,16 +100,20 @@ class Unit:
         return list(self.output_params)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready record in the PIPELINE.json unit format."""
+        """JSON-ready record in the PIPELINE.json unit format (a bare string stays a string)."""
         return {
             "name": self.name,
-            "input_params": list(self.input_params),
+            "input_params": _names_out(self.input_params),
             "input_params_posi": dict(self.input_params_posi),
             "input_params_nega": dict(self.input_params_nega),
-            "output_params": list(self.output_params),
-            "onload_model_names": list(self.onload_model_names),
+            "output_params": _names_out(self.output_params),
+            "onload_model_names": _names_out(self.onload_model_names),
             "per_step": self.per_step,
         }
+
+
+def _names_out(value: tuple[str, ...] | str) -> list[str] | str:
+    return value if isinstance(value, str) else list(value)
 
 
 @dataclass(frozen=True)
@@ -93,7 +142,7 @@ class Pipeline:
         """Every model a unit or the denoiser calls."""
         names = set(self.in_iteration_models)
         for unit in self.units:
-            names.update(unit.onload_model_names)
+            names.update(unit.models)
         return names
 
     def unit(self, name: str) -> Unit:
@@ -142,6 +191,13 @@ def _str_list(value: Any, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _unit_names(value: Any, where: str) -> tuple[str, ...] | str:
+    """A unit's name field: a list of names, or a bare string kept as declared (DiffSynth quirk)."""
+    if isinstance(value, str):
+        return value
+    return _str_list(value, where)
+
+
 def _str_map(value: Any, where: str) -> dict[str, str]:
     """A dict of unit argument -> pipeline param; `None` means empty."""
     if value is None:
@@ -184,7 +240,7 @@ def unit_from_dict(record: Any, pipeline: str = "pipeline", index: int = 0) -> U
     if isinstance(raw_inputs, Mapping):  # argument -> param form: only the values are params
         inputs = tuple(_str_map(raw_inputs, _where(pipeline, name, "input_params")).values())
     else:
-        inputs = _str_list(raw_inputs, _where(pipeline, name, "input_params"))
+        inputs = _unit_names(raw_inputs, _where(pipeline, name, "input_params"))
     per_step = record.get("per_step", False)
     if per_step is None:
         per_step = False
@@ -201,10 +257,10 @@ def unit_from_dict(record: Any, pipeline: str = "pipeline", index: int = 0) -> U
         input_params_nega=_str_map(
             record.get("input_params_nega"), _where(pipeline, name, "input_params_nega")
         ),
-        output_params=_str_list(
+        output_params=_unit_names(
             record.get("output_params"), _where(pipeline, name, "output_params")
         ),
-        onload_model_names=_str_list(
+        onload_model_names=_unit_names(
             record.get("onload_model_names"), _where(pipeline, name, "onload_model_names")
         ),
         per_step=per_step,

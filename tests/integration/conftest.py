@@ -37,7 +37,7 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def demo_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The demo VAE and DiT weight files, written once per session."""
-    from splitstage.pipelines.models import build_demo_weights
+    from splitstage.pipelines.demo.weights import build_demo_weights
 
     return build_demo_weights(tmp_path_factory.mktemp("weights"))
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.pipelines.models import build_demo_weights
 
 from splitstage.cli import main
+from splitstage.pipelines.demo.weights import build_demo_weights
+from splitstage.pipelines.digits import write_digits_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -278,7 +278,8 @@ def test_weights_file_with_wrong_keys_or_shapes_fails_before_launch(assets, tmp_
     import json as _json
 
     from safetensors.torch import load_file, save_file
-    from splitstage.pipelines.models import DiT
+
+    from splitstage.pipelines.demo.dit import DiT
 
     state = load_file(str(assets / "weights/dit.safetensors"))
     renamed = tmp_path / "renamed.safetensors"

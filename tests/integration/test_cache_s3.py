@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-import splitstage.tasks.cache_store as cache_store_module
 import torch
-from splitstage.tasks.cache_reader import CacheDataset
-from splitstage.tasks.cache_store import CacheCorruptError, CacheStore
-from splitstage.tasks.storage import (
+
+import splitstage.tasks.cache.store as cache_store_module
+from splitstage.tasks.cache.reader import CacheDataset
+from splitstage.tasks.cache.storage import (
     StorageBucketNotFoundError,
     StorageCredentialsError,
     StorageError,
@@ -17,7 +17,7 @@ from splitstage.tasks.storage import (
     open_fs,
     write_chains,
 )
-
+from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
 from tests.unit.test_cache_store import (
     assert_same,
     key_of,

@@ -105,6 +105,7 @@ def run_deployment_cli(stack, name: str, params: dict, *, watch: bool) -> tuple[
 def tiny_params(tmp_path_factory, demo_weights, s3_endpoint):
     """A tiny job: 12 digits, tiny text encoder, cache in the S3 test bucket, 2 updates."""
     import s3fs
+
     from splitstage.pipelines.digits import write_digits_dataset
 
     root = tmp_path_factory.mktemp("deploy-job")

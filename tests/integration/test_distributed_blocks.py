@@ -17,17 +17,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitstage.tasks.checkpoint import (
+from torch import nn
+
+from splitstage.tasks.stage2.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from splitstage.tasks.distributed import build_mesh
-from splitstage.tasks.launcher import TorchrunSpec, build_command, free_port, is_alive, run_torchrun
-from splitstage.tasks.parallelize import parallelize, resolve_tp_plan
-from torch import nn
-
+from splitstage.tasks.stage2.distributed import build_mesh
+from splitstage.tasks.stage2.parallelize import parallelize, resolve_tp_plan
+from splitstage.tasks.stage2.torchrun import (
+    TorchrunSpec,
+    build_command,
+    free_port,
+    is_alive,
+    run_torchrun,
+)
 from tests.integration.workers.tiny import TP_PLAN, Tiny, add_lora
 
 WORKERS = Path(__file__).parent / "workers"
@@ -63,12 +69,12 @@ def assert_check(results: list[dict], name: str) -> list:
 def test_build_mesh_names_the_config_fields():
     with pytest.raises(ValueError, match=r"dp=2 x tp=2 = 4 ranks but the job has 2.*parallelism"):
         build_mesh(2, 2, 2)
-    with pytest.raises(ValueError, match="parallelism.tp must be a positive integer"):
+    with pytest.raises(ValueError, match="train.tp_degree must be a positive integer"):
         build_mesh(2, 0, 0)
 
 
 def test_parallelize_rejects_unknown_and_inconsistent_modes():
-    with pytest.raises(ValueError, match=r"parallelism.mode='zero3'.*ddp, fsdp, tp, fsdp\+tp"):
+    with pytest.raises(ValueError, match=r"train.parallelism='zero3'.*ddp, fsdp, tp, fsdp\+tp"):
         parallelize(Tiny(), mesh=None, mode="zero3")
     with pytest.raises(ValueError, match="needs a device mesh"):
         parallelize(Tiny(), mesh=None, mode="fsdp")
@@ -146,9 +152,9 @@ def test_build_command_single_and_multi_node():
 
 SINGLE_PROCESS = """
 import torch
-from splitstage.tasks.checkpoint import load_checkpoint, save_checkpoint
-from splitstage.tasks.distributed import build_mesh, close_distributed, init_distributed
-from splitstage.tasks.parallelize import parallelize
+from splitstage.tasks.stage2.checkpoint import load_checkpoint, save_checkpoint
+from splitstage.tasks.stage2.distributed import build_mesh, close_distributed, init_distributed
+from splitstage.tasks.stage2.parallelize import parallelize
 from tiny import Tiny
 info = init_distributed()
 mesh = build_mesh(1, 1, info.world_size)

@@ -20,15 +20,16 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
+
 from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.pipelines.models import build_demo_weights
-from splitstage.tasks.cache_store import CacheStore
-from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.launcher import TorchrunError, free_port
-from splitstage.tasks.preprocess import open_cache, preprocess
-from splitstage.tasks.storage import StorageError
-from splitstage.tasks.train import train
+from splitstage.tasks.cache.storage import StorageError
+from splitstage.tasks.cache.store import CacheStore
+from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.torchrun import TorchrunError, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,8 +76,8 @@ def assert_complete_and_consistent(config) -> CacheStore:
 
 
 PREPROCESS = (
-    "import sys; from pipelines.config import SplitstageConfig; "
-    "from tasks.preprocess import preprocess; "
+    "import sys; from splitstage.pipelines.config import SplitstageConfig; "
+    "from splitstage.tasks.stage1.preprocess import preprocess; "
     "preprocess(SplitstageConfig.model_validate_json(open(sys.argv[1]).read()), "
     "workers=int(sys.argv[2]), progress=False)"
 )

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from splitstage.flows.artifacts import artifact_key, summary_markdown
 from splitstage.flows.loss_plot import loss_curve_png
 from splitstage.flows.multinode import apply_node_env, torchrun_command
 from splitstage.flows.outputs import export_prefix, version_for
+from splitstage.flows.tasks import is_transient_io_error, retry_on_io
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.pipelines.data import DataError
-from splitstage.tasks.prefect_tasks import is_transient_io_error, retry_on_io
-from splitstage.tasks.storage import StorageCredentialsError, StorageUnreachableError
+from splitstage.tasks.cache.storage import StorageCredentialsError, StorageUnreachableError
 
 CANARY_KEY_ID = "AKIACANARYKEYID0000"
 CANARY_SECRET = "canary-secret-must-never-be-shown-7f3a"
@@ -212,7 +213,7 @@ def test_preprocess_flow_on_s3_keeps_credentials_out_of_the_dashboard(
 ):
     """Two local shards write the cache to S3 (training from S3 runs in test_deployments)."""
     from splitstage.flows.preprocess import preprocess_flow
-    from splitstage.tasks.storage import open_fs
+    from splitstage.tasks.cache.storage import open_fs
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", CANARY_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY_SECRET)
@@ -240,8 +241,9 @@ def test_preprocess_flow_on_s3_keeps_credentials_out_of_the_dashboard(
 def test_cancelling_training_ends_the_torchrun_process_tree(prefect_harness, tiny_job):
     from prefect import get_client
     from prefect.states import Cancelling
+
     from splitstage.flows.train import train_flow
-    from splitstage.tasks.preprocess import preprocess
+    from splitstage.tasks.stage1.preprocess import preprocess
 
     config = SplitstageConfig.model_validate(
         tiny_job(
@@ -282,7 +284,7 @@ def training_processes() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if "torch.distributed.run" in command(p) or "splitstage.tasks.train_worker" in command(p)
+        if "torch.distributed.run" in command(p) or "splitstage.tasks.stage2.worker" in command(p)
     ]
 
 
@@ -300,7 +302,7 @@ def wait_for_training_processes(timeout: float):
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any("splitstage.tasks.train_worker" in command(p) for p in training_processes()):
+        if any("splitstage.tasks.stage2.worker" in command(p) for p in training_processes()):
             with get_client(sync_client=True) as client:
                 runs = client.read_flow_runs(
                     flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),

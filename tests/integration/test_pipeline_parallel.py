@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from splitstage.pipelines.config import ConfigError
-from splitstage.tasks.pipeline_parallel import check_pp_config
-from splitstage.tasks.train import train
 
+from splitstage.pipelines.config import ConfigError
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from tests.integration.tiny_job import make_workspace, tiny_config
 
 pytestmark = pytest.mark.slow

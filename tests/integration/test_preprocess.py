@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from splitstage.pipelines import demo
+
 from splitstage.pipelines.config import config_from_dict
 from splitstage.pipelines.data import DataError
+from splitstage.pipelines.demo.family import DemoFamily
+from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.pipelines.models import build_demo_weights
-from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.preprocess import index_data_set, open_cache, preprocess
+from splitstage.tasks.data_index import index_data_set
+from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.tasks.stage1.preprocess import preprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,13 +91,13 @@ def test_worker_count_does_not_change_the_cache(assets, tmp_path):
 
 def test_stage_one_never_builds_the_denoiser(assets, tmp_path, monkeypatch):
     built = []
-    real = demo.build_model
+    real = DemoFamily.build_model
 
-    def spy(config, name, device, **kw):
+    def spy(self, name, device, **kw):
         built.append(name)
-        return real(config, name, device, **kw)
+        return real(self, name, device, **kw)
 
-    monkeypatch.setattr(demo, "build_model", spy)
+    monkeypatch.setattr(DemoFamily, "build_model", spy)
     preprocess(make_config(assets, tmp_path), workers=1, progress=False)
     assert sorted(built) == ["text_encoder", "vae"]
 
@@ -105,8 +107,8 @@ def test_killed_worker_then_rerun_completes_without_recomputing_commits(assets, 
     config_path = tmp_path / "job.json"
     config_path.write_text(config.model_dump_json())
     script = (
-        "import sys; from pipelines.config import SplitstageConfig; "
-        "from tasks.preprocess import preprocess; "
+        "import sys; from splitstage.pipelines.config import SplitstageConfig; "
+        "from splitstage.tasks.stage1.preprocess import preprocess; "
         "preprocess(SplitstageConfig.model_validate_json(open(sys.argv[1]).read()), "
         "workers=1, progress=False)"
     )

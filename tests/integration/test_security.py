@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitstage.tasks.cache_store import CacheCorruptError, CacheStore
-from splitstage.tasks.checkpoint import load_checkpoint, save_checkpoint
-from splitstage.tasks.safe_dcp import UnsafeCheckpointError
-from splitstage.tasks.weights import materialize_and_load
+
+from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
+from splitstage.tasks.stage2.checkpoint import load_checkpoint, save_checkpoint
+from splitstage.tasks.stage2.safe_dcp import UnsafeCheckpointError
+from splitstage.tasks.stage2.weights import materialize_and_load
 
 
 class Payload:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from splitstage.pipelines.config import ConfigError
-from splitstage.tasks.launcher import TorchrunError
-from splitstage.tasks.train import train
 
+from splitstage.pipelines.config import ConfigError
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.torchrun import TorchrunError
 from tests.integration.tiny_job import make_workspace, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -106,14 +106,14 @@ def test_checkpoints_and_outputs_on_s3(workspace, s3_bucket, monkeypatch):
     config.cache.url = str(workspace / "cache")
     report = train_config(workspace, config)
     assert report.updates == 3
-    from splitstage.tasks.checkpoint import latest_checkpoint
+    from splitstage.tasks.stage2.checkpoint import latest_checkpoint
 
     endpoint = {"endpoint_url": options["client_kwargs"]["endpoint_url"]}
     assert latest_checkpoint(f"{url}/ckpt", storage_options=endpoint) == 3
 
 
 def test_two_torchrun_agents_form_one_two_node_job(workspace):
-    from splitstage.tasks.launcher import free_port
+    from splitstage.tasks.stage2.torchrun import free_port
 
     config = make_config(
         workspace, "nodes", nnodes=2, nproc_per_node=1, rdzv_endpoint=f"127.0.0.1:{free_port()}"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from splitstage.pipelines.config import SplitstageConfig, config_from_dict
+from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.pipelines.models import build_demo_weights
-from splitstage.tasks.preprocess import preprocess
+from splitstage.tasks.stage1.preprocess import preprocess
 
 
 def tiny_config(root: Path, name: str, seed: int, **train) -> SplitstageConfig:

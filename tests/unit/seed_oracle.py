@@ -67,3 +67,58 @@ def updating_units(units, chains, related):
             for later in chain[chain.index(first) + 1 :]:
                 related.add(later)
     return related
+
+
+class PipelineUnit:
+    """DiffSynth-Studio's PipelineUnit (diffsynth/diffusion/base_pipeline.py): its split fields and
+    `fetch_*_params`, transcribed, so the oracle reads a bare-string field exactly as Python does
+    there (iterating it yields characters; `in` on it is a substring test)."""
+
+    def __init__(
+        self,
+        input_params=None,
+        output_params=None,
+        input_params_posi=None,
+        input_params_nega=None,
+        onload_model_names=None,
+        name=None,
+    ):
+        self.input_params = input_params
+        self.output_params = output_params
+        self.input_params_posi = input_params_posi
+        self.input_params_nega = input_params_nega
+        self.onload_model_names = onload_model_names
+        self.name = name
+
+    def fetch_input_params(self):
+        params = []
+        if self.input_params is not None:
+            for param in self.input_params:
+                params.append(param)
+        if self.input_params_posi is not None:
+            for _, param in self.input_params_posi.items():
+                params.append(param)
+        if self.input_params_nega is not None:
+            for _, param in self.input_params_nega.items():
+                params.append(param)
+        params = sorted(list(set(params)))
+        return params
+
+    def fetch_output_params(self):
+        params = []
+        if self.output_params is not None:
+            for param in self.output_params:
+                params.append(param)
+        return params
+
+
+def as_diffsynth(unit):
+    """A DiffSynth PipelineUnit with `unit`'s declared fields, untouched (strings stay strings)."""
+    return PipelineUnit(
+        input_params=unit.input_params,
+        output_params=unit.output_params,
+        input_params_posi=dict(unit.input_params_posi),
+        input_params_nega=dict(unit.input_params_nega),
+        onload_model_names=unit.onload_model_names,
+        name=unit.name,
+    )

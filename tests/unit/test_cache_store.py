@@ -12,11 +12,18 @@ import uuid
 from pathlib import Path
 
 import pytest
-import splitstage.tasks.cache_store as cache_store_module
 import torch
-from splitstage.tasks.cache_reader import CacheDataset, epoch_order
-from splitstage.tasks.cache_store import CacheCorruptError, CacheStore, SampleNotCachedError
-from splitstage.tasks.storage import StorageError, open_fs, redact, translate_error, write_atomic
+
+import splitstage.tasks.cache.store as cache_store_module
+from splitstage.tasks.cache.reader import CacheDataset, epoch_order
+from splitstage.tasks.cache.storage import (
+    StorageError,
+    open_fs,
+    redact,
+    translate_error,
+    write_atomic,
+)
+from splitstage.tasks.cache.store import CacheCorruptError, CacheStore, SampleNotCachedError
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = [
@@ -293,7 +300,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     from tests.unit.test_cache_store import make_samples
-    from splitstage.tasks.cache_store import CacheStore
+    from splitstage.tasks.cache.store import CacheStore
     url, options, ids, size = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), 3
     store = CacheStore(url, "ck", options)
     for i in range(0, len(ids), size):

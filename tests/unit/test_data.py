@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from PIL import Image
+
 from splitstage.pipelines.data import (
     DataError,
     load_metadata,

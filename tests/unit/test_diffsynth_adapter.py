@@ -1,9 +1,9 @@
 """Reading objects shaped like DiffSynth-Studio pipelines (no diffsynth import)."""
 
 import pytest
+
 from splitstage.pipelines.diffsynth import pipeline_from_diffsynth
 from splitstage.splitter import PipelineSpecError, plan_split
-
 from tests.unit import seed_oracle
 
 

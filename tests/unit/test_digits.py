@@ -1,6 +1,7 @@
 """The digits demo data set: readable by load_metadata, captioned, byte-for-byte reproducible."""
 
 from PIL import Image
+
 from splitstage.pipelines.data import load_metadata, load_sample
 from splitstage.pipelines.digits import write_digits_dataset
 

@@ -2,22 +2,12 @@
 
 import pytest
 import torch
-from splitstage.pipelines.models import (
-    DiT,
-    VAEEncoder,
-    add_noise,
-    build_demo_weights,
-    dit_module_fqns,
-    encode_prompts,
-    flow_matching_loss,
-    load_tiny_text_encoder,
-    load_weights,
-    prune_to_stage,
-    sample_noise,
-    sample_timesteps,
-    save_weights,
-    weights_config,
-)
+
+from splitstage.pipelines.demo.dit import DiT, dit_module_fqns, prune_to_stage
+from splitstage.pipelines.demo.vae import VAEEncoder
+from splitstage.pipelines.flow_matching import add_noise, flow_matching_loss, sample_noise, sample_timesteps
+from splitstage.pipelines.demo.weights import build_demo_weights, load_weights, save_weights, weights_config
+from splitstage.pipelines.demo.text import encode_prompts, load_tiny_text_encoder
 
 B = 2
 

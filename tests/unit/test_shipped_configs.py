@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from splitstage.pipelines.config import SplitstageConfig, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,7 +198,7 @@ def test_multinode_template_is_an_indexed_job_with_one_c10d_rendezvous(monkeypat
     assert "--rdzv-backend=c10d" in command and "--standalone" not in command
     assert "--rdzv-endpoint=train-abc-0.splitstage-rdzv:29500" in command
     assert {"--nnodes=2", "--nproc-per-node=8"} <= set(command)
-    assert command[-3:-1] == ["-m", "splitstage.tasks.train_worker"]
+    assert command[-3:-1] == ["-m", "splitstage.tasks.stage2.worker"]
 
 
 def test_node_agents_use_the_flow_runs_version():

@@ -1,6 +1,7 @@
 """The V1/V2 split against the seed's definitions, DiffSynth-shaped pipelines and the oracle."""
 
 import pytest
+
 from splitstage.splitter import (
     PIPELINE_INPUT,
     Pipeline,
@@ -10,7 +11,6 @@ from splitstage.splitter import (
     plan_split,
     split_units,
 )
-
 from tests.unit import seed_oracle
 from tests.unit.splitter_cases import demo_like, qwen_image_like
 

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from splitstage.splitter import Pipeline, Unit, plan_split, split_units
 
+from splitstage.splitter import Pipeline, Unit, plan_split, split_units
 from tests.unit import seed_oracle
 
 PARAMS = [f"p{i}" for i in range(7)]

@@ -4,7 +4,8 @@ import socket
 
 import torch
 import torch.nn.functional as F
-from splitstage.pipelines.models import encode_prompts, load_text_encoder
+
+from splitstage.pipelines.demo.text import encode_prompts, load_text_encoder
 
 
 def test_real_text_encoder_offline(monkeypatch):

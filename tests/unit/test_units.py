@@ -1,6 +1,7 @@
 """Unit and pipeline records: DiffSynth field semantics and errors that name the field."""
 
 import pytest
+
 from splitstage.splitter import (
     PipelineSpecError,
     Unit,
@@ -33,6 +34,26 @@ def test_input_params_may_be_an_argument_to_param_map():
     assert unit.fetch_input_params() == ["input_image"]
 
 
+@pytest.mark.parametrize("field", ["input_params", "output_params", "onload_model_names"])
+def test_a_bare_string_field_is_kept_as_declared_like_diffsynth(field):
+    # DiffSynth-Studio pipelines declare ("noise") for ("noise",); the string is accepted as is.
+    unit = unit_from_dict({"name": "u", field: "noise"})
+    assert getattr(unit, field) == "noise"
+    assert unit.string_fields == (field,)
+    assert unit.to_dict()[field] == "noise"
+    assert unit.as_intended() == unit_from_dict({"name": "u", field: ["noise"]})
+
+
+def test_a_bare_string_reads_as_its_characters_but_names_one_model():
+    unit = Unit("u", "noise", output_params="latents", onload_model_names="video_vae_encoder")
+    assert unit.fetch_input_params() == ["e", "i", "n", "o", "s"]
+    assert unit.fetch_output_params() == ["l", "a", "t", "e", "n", "t", "s"]
+    assert unit.uses_model("vae") and not unit.uses_model("dit")
+    assert unit.models == ("video_vae_encoder",)
+    assert Unit("u", onload_model_names="").models == ()
+    assert Unit("u", ("a",)).string_fields == ()
+
+
 def test_round_trip_through_dict():
     record = {
         "name": "p",
@@ -60,11 +81,11 @@ def test_round_trip_through_dict():
     [
         ({"name": "u", "inputs": ["a"]}, "unit 'u', field 'inputs': unknown field"),
         ({"name": "u", "input_param": ["a"]}, "Did you mean 'input_params'?"),
-        ({"name": "u", "output_params": "latents"}, "field 'output_params': expected a list"),
+        ({"name": "u", "output_params": 5}, "field 'output_params': expected a list"),
         ({"name": "u", "output_params": [1]}, "every entry must be a non-empty string"),
         ({"name": "u", "input_params_posi": ["prompt"]}, "field 'input_params_posi': expected an"),
         ({"name": "u", "input_params_nega": {"p": 3}}, "must map a string argument"),
-        ({"name": "u", "onload_model_names": "vae"}, "field 'onload_model_names'"),
+        ({"name": "u", "onload_model_names": {"vae": 1}}, "field 'onload_model_names'"),
         ({"name": "u", "per_step": "yes"}, "field 'per_step': expected true or false"),
         ({"name": ""}, "unit #0: field 'name' must be a non-empty string"),
         (["u"], "unit #0: expected an object"),

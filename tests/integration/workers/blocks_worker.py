@@ -13,12 +13,14 @@ import sys
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from splitstage.tasks.distributed import build_mesh, init_distributed
-from splitstage.tasks.parallelize import parallelize
-from splitstage.tasks.weights import WeightsError, WeightsFileNotFoundError, materialize_and_load
 from tiny import TP_PLAN, Results, Tiny, add_lora, init_buffers, reference_state
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
+from splitstage.tasks.stage2.parallelize import parallelize
+from splitstage.tasks.stage2.weights import materialize_and_load
+from splitstage.tasks.stage2.weights_file import WeightsError, WeightsFileNotFoundError
 
 BATCH = 8
 LAYOUTS_BY_WORLD = {  # world size -> {mode: (dp_shard, tp)}
@@ -193,7 +195,7 @@ def check_errors(results: Results, out_dir: str, sft: str, state) -> None:
 
     def one_rank_fails_to_save():
         """Rank 1 cannot write its RNG file: both ranks raise (no rank waits forever)."""
-        import splitstage.tasks.checkpoint as ckpt
+        import splitstage.tasks.stage2.checkpoint as ckpt
 
         model = build("fsdp", sft)[0]
         original = ckpt.write_atomic

@@ -17,13 +17,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from splitstage.tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from splitstage.tasks.distributed import build_mesh, init_distributed
-from splitstage.tasks.parallelize import parallelize
-from splitstage.tasks.weights import materialize_and_load
 from tiny import TP_PLAN, Tiny, add_lora, init_buffers, reference_state
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
+from splitstage.tasks.stage2.parallelize import parallelize
+from splitstage.tasks.stage2.weights import materialize_and_load
 
 
 def parse() -> argparse.Namespace:

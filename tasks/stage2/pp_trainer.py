@@ -18,20 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
-from splitstage.pipelines import demo
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.pipelines.models import (
-    DiT,
-    add_noise,
-    dit_module_fqns,
-    flow_matching_target,
-    prune_to_stage,
-    sample_noise,
-    sample_timesteps,
-)
+from splitstage.pipelines.family import Family, TrainingStep, family_for
 from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import (
     StageAssignmentError,
@@ -39,47 +31,49 @@ from splitstage.splitter import (
     layout_from_fqns,
     validate_stages,
 )
-from splitstage.tasks.export import export_weights
-from splitstage.tasks.stage2_models import Stage2Models, add_lora
-from splitstage.tasks.train_worker import Trainer, step_generator, to_device
-from splitstage.tasks.weights import materialize_and_load
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from splitstage.tasks.stage2.export import export_weights
+from splitstage.tasks.stage2.models import Stage2Models, add_lora
+from splitstage.tasks.stage2.trainer import Trainer, step_generator, to_device
+from splitstage.tasks.stage2.weights import materialize_and_load
 
-DENOISER = "dit"
 STAGES = "train.nnodes * train.nproc_per_node"
 
 
 def stage_fqns(config: SplitstageConfig, num_stages: int) -> list[list[str]]:
-    """The DiT's top-level module FQNs per stage, for the depth its weights file was saved with."""
-    meta = demo.build_model(config, DENOISER, torch.device("meta"), load=False)
-    fqns = dit_module_fqns(len(meta.blocks))
+    """The denoiser's top-level module FQNs per stage, for the depth its weights were saved with."""
+    family = family_for(config)
+    meta = family.build_model(family.denoiser, torch.device("meta"), meta=True)
+    fqns = family.pp_module_fqns(meta)
     layout = layout_from_fqns(fqns)
     try:
         parts = validate_stages(assign_stages(layout, num_stages), fqns)
     except StageAssignmentError as error:
         raise ConfigError(f"{STAGES} = {num_stages} pipeline stages: {error}") from None
-    empty = _blockless(parts)
-    if empty:
-        fits = max(n for n in range(1, num_stages) if not _blockless(assign_stages(layout, n)))
+    idle = [i for i, part in enumerate(parts) if not family.pp_stage_has_work(part)]
+    if idle:
+        fits = max(
+            (n for n in range(1, num_stages) if _all_work(family, assign_stages(layout, n))),
+            default=1,
+        )
         raise ConfigError(
-            f"{STAGES} = {num_stages} pipeline stages leave stage {empty[0]} without a DiT block "
-            f"({parts[empty[0]]}); use at most {fits} ranks for this {len(meta.blocks)}-block DiT"
+            f"{STAGES} = {num_stages} pipeline stages leave stage {idle[0]} without a repeated "
+            f"block of the {family.denoiser} ({parts[idle[0]]}); use at most {fits} ranks"
         )
     return parts
 
 
-def _blockless(parts: list[list[str]]) -> list[int]:
-    """Stages holding no DiT block (nothing for LoRA to adapt, next to no work)."""
-    return [i for i, part in enumerate(parts) if not any(f.startswith("blocks.") for f in part)]
+def _all_work(family: Family, parts: list[list[str]]) -> bool:
+    return all(family.pp_stage_has_work(part) for part in parts)
 
 
 def check_pp_config(config: SplitstageConfig) -> list[list[str]]:
     """Refuse pipeline settings that would fail inside the ranks; return each stage's modules."""
     train = config.train
     stages = train.nnodes * train.nproc_per_node
-    if config.trainable.models() != [DENOISER]:
+    denoiser = family_for(config).denoiser
+    if config.trainable.models() != [denoiser]:
         raise ConfigError(
-            f"train.parallelism='pp' pipelines the denoiser only: train just '{DENOISER}' "
+            f"train.parallelism='pp' pipelines the denoiser only: train just '{denoiser}' "
             f"(trainable.full or trainable.lora_base_model), not {config.trainable.models()}"
         )
     if train.tp_degree != 1:
@@ -112,22 +106,6 @@ def check_pp_config(config: SplitstageConfig) -> list[list[str]]:
     return stage_fqns(config, stages)
 
 
-def denoiser_inputs(
-    ctx: StepContext, inputs: dict[str, Any], dtype: torch.dtype
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """First-stage args and velocity target, drawn in the order `demo.training_loss` draws them."""
-    x0 = inputs["input_latents"].to(ctx.device, torch.float32)
-    noise = sample_noise(x0, ctx.generator)
-    timestep = sample_timesteps(x0.shape[0], ctx.generator, ctx.device)
-    args = (
-        add_noise(x0, noise, timestep).to(dtype),
-        timestep.to(dtype),
-        inputs["prompt_emb"].to(ctx.device, dtype),
-        inputs["prompt_mask"].to(ctx.device),
-    )
-    return args, flow_matching_target(noise.float(), x0.float())
-
-
 class PipelineTrainer(Trainer):
     """The training loop of one pipeline stage: Trainer's loop, with PP model, step and export."""
 
@@ -135,7 +113,10 @@ class PipelineTrainer(Trainer):
         super().__init__(spec)
         train = self.config.train
         self.stage = PipelineStage(
-            self.stage2.models[DENOISER], self.dist.rank, self.dist.world_size, self.dist.device
+            self.stage2.models[self.family.denoiser],
+            self.dist.rank,
+            self.dist.world_size,
+            self.dist.device,
         )
         # Grads of all microbatches (and accumulated batches) add up; the loss carries the mean.
         self.grad_scale = train.pp_microbatches * train.gradient_accumulation_steps
@@ -144,35 +125,41 @@ class PipelineTrainer(Trainer):
         )
 
     def build_models(self, names: list[str] | None) -> Stage2Models:
-        """This rank's DiT stage (meta -> prune -> LoRA -> its keys of the file), frozen others."""
+        """This rank's denoiser stage (meta, prune, LoRA, its keys of the file); frozen others."""
         parts = check_pp_config(self.config)
         if len(parts) != self.dist.world_size:
             raise ConfigError(f"{STAGES} = {len(parts)} but the job has {self.dist.world_size}")
-        device, config = self.dist.device, self.config
+        device, config, family = self.dist.device, self.config, self.plan.family
+        denoiser = family.denoiser
         models: dict[str, torch.nn.Module] = {}
         for name in names or self.plan.split.models["stage2"]:
-            if name != DENOISER:  # unsplit: every rank runs the frozen V2 models itself
-                models[name] = demo.build_model(config, name, device).eval().requires_grad_(False)
-        model = demo.build_model(config, DENOISER, device, load=False)
-        prune_to_stage(model, parts[self.dist.rank])
-        lora = config.trainable.lora_base_model == DENOISER
-        model = add_lora(model, config) if lora else model.requires_grad_(True)
-        source = demo.model_source(config, DENOISER)
+            if name != denoiser:  # unsplit: every rank runs the frozen V2 models itself
+                models[name] = family.build_model(name, device).eval().requires_grad_(False)
+        model = family.build_model(denoiser, device, meta=True)
+        family.pp_prune(model, parts[self.dist.rank])
+        lora = config.trainable.lora_base_model == denoiser
+        model = add_lora(model, config, family) if lora else model.requires_grad_(True)
+        weights = family.weights_file(denoiser)
+        if weights is None:
+            raise ConfigError(
+                f"train.parallelism='pp' loads each stage's slice of one weights file, but the "
+                f"{family.name} family gives none for '{denoiser}'; use another parallelism"
+            )
         materialize_and_load(
             model,
-            source.weights,
-            key_prefix=source.key_prefix,
-            buffers_init=DiT.init_non_persistent_buffers,
+            weights[0],
+            key_prefix=weights[1],
+            buffers_init=family.init_buffers,
             device=device,
             adapter_seed=config.job.seed,
             ignore_unexpected=True,
         )
-        models[DENOISER] = model
-        return Stage2Models(models=models, trained=[DENOISER], lora=lora, mode="pp")
+        models[denoiser] = model
+        return Stage2Models(models=models, trained=[denoiser], lora=lora, mode="pp")
 
     def stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Flow-matching MSE of one microbatch, scaled so the summed grads are the batch mean's."""
-        return F.mse_loss(output.float(), target) / self.grad_scale
+        """The family's loss of one microbatch, scaled so the summed grads are the batch mean's."""
+        return self.family.loss(output, TrainingStep((), target)) / self.grad_scale
 
     def micro_step(self, batch: dict[str, Any], batch_index: int) -> torch.Tensor:
         """All ranks run V1 and draw the step alike; the schedule runs forward and backward."""
@@ -182,17 +169,16 @@ class PipelineTrainer(Trainer):
             device=device,
             # One data stream for the whole pipeline: every stage draws the same noise/timesteps.
             generator=step_generator(self.config.job.seed, 0, batch_index, device),
-            settings=demo.settings(self.config),
+            settings=self.family.settings(),
         )
         inputs = to_device(batch, device)
-        dtype = next(self.stage2.models[DENOISER].parameters()).dtype
         losses: list[torch.Tensor] = []
         with self.accelerator.autocast():
             run_units(self.units, ctx, inputs)
-            args, target = denoiser_inputs(ctx, inputs, dtype)
+            step = self.family.training_step(ctx, inputs)
             self.schedule.step(
-                *(args if self.stage.is_first else ()),
-                target=target if self.stage.is_last else None,
+                *(step.denoiser_args if self.stage.is_first else ()),
+                target=step.target if self.stage.is_last else None,
                 losses=losses if self.stage.is_last else None,
                 return_outputs=False,
             )
@@ -209,11 +195,14 @@ class PipelineTrainer(Trainer):
 
     def export(self) -> dict[str, str]:
         """Gather every stage's trained tensors on rank 0 and write them as one file."""
-        model = self.stage2.models[DENOISER]
+        denoiser = self.family.denoiser
+        model = self.stage2.models[denoiser]
         own = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
         blobs = [None] * self.dist.world_size if self.dist.is_main else None
         dist.gather_object(safetensors_bytes(own), blobs, dst=0)  # pickles only bytes
         merged: dict[str, torch.Tensor] = {}
         for blob in blobs or []:
             merged.update(safetensors_load(blob))
-        return export_weights(self.config, self.stage2, self.spec, states={DENOISER: merged})
+        return export_weights(
+            self.config, self.family, self.stage2, self.spec, states={denoiser: merged}
+        )

@@ -11,15 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from splitstage.pipelines import demo
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.launcher import TorchrunSpec, run_torchrun
-from splitstage.tasks.pipeline_parallel import check_pp_config
-from splitstage.tasks.stage2_models import parallel_mode
-from splitstage.tasks.weights import WeightsError, check_weights_file
 
-WORKER_MODULE = "splitstage.tasks.train_worker"
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.tasks.outputs import output_storage_options, run_paths
+from splitstage.tasks.plan import JobPlan, make_plan
+from splitstage.tasks.stage2.models import parallel_mode
+from splitstage.tasks.stage2.pp_trainer import check_pp_config
+from splitstage.tasks.stage2.torchrun import TorchrunSpec, run_torchrun
+from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
+
+WORKER_MODULE = "splitstage.tasks.stage2.worker"
 
 
 @dataclass
@@ -57,17 +58,6 @@ class TrainReport:
         return asdict(self)
 
 
-def run_paths(config: SplitstageConfig, run_id: str, run_root: str | Path = "runs/train") -> dict:
-    """Where a run writes: local run dir (spec, metrics), output URL, checkpoint URL."""
-    output = f"{config.output.url.rstrip('/')}/{run_id}"
-    checkpoints = config.train.checkpoint_url or f"{output}/checkpoints"
-    return {
-        "run_dir": str(Path(run_root) / run_id),
-        "output_url": output,
-        "checkpoint_url": checkpoints,
-    }
-
-
 def write_spec(
     config: SplitstageConfig,
     run_id: str,
@@ -85,7 +75,7 @@ def write_spec(
         "run_dir": str(run_dir.resolve()),
         # Checkpoints and outputs on object storage use the cache's endpoint options;
         # credentials come from the environment, never from the spec.
-        "checkpoint_storage_options": config.cache.storage_options or None,
+        "checkpoint_storage_options": output_storage_options(config, paths["checkpoint_url"]),
     }
     path = run_dir / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -115,21 +105,23 @@ def torchrun_spec(
     )
 
 
-def check_before_launch(config: SplitstageConfig, plan) -> None:
+def check_before_launch(config: SplitstageConfig, plan: JobPlan) -> None:
     """Refuse configs that would fail inside every rank: bad mesh, missing weights files."""
     world = config.train.nnodes * config.train.nproc_per_node
     if config.train.parallelism == "pp":
         check_pp_config(config)
     else:
         parallel_mode(config, world)
-    names = demo.MODEL_NAMES if config.train.mode == "unsplit" else plan.split.models["stage2"]
-    demo.check_models(config, names)
+    family = plan.family
+    unsplit = config.train.mode == "unsplit"
+    names = list(family.model_names) if unsplit else plan.split.models["stage2"]
+    family.check_models(names)
     for name in names:
-        source = demo.model_source(config, name)
-        if source.weights and source.weights.endswith(".safetensors"):
-            meta_model = demo.build_model(config, name, torch.device("meta"), load=False)
+        weights = family.weights_file(name)
+        if weights and weights[0].endswith(".safetensors"):
+            meta_model = family.build_model(name, torch.device("meta"), meta=True)
             try:
-                check_weights_file(meta_model, source.weights, source.key_prefix)
+                check_weights_file(meta_model, weights[0], weights[1])
             except WeightsError as error:
                 raise ConfigError(f"models.{name}.weights: {error}") from None
 

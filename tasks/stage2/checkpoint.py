@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import random
 import re
-import struct
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,12 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-from splitstage.splitter import UserError
-from splitstage.tasks.distributed import comm_device
-from splitstage.tasks.safe_dcp import SafeFsspecReader
-from splitstage.tasks.storage import join, open_fs, storage_errors, write_atomic
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
@@ -40,12 +32,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from splitstage.splitter import UserError
+from splitstage.tasks.cache.storage import join, open_fs, storage_errors, write_atomic
+from splitstage.tasks.stage2.checkpoint_extra import (
+    FORMAT,
+    pack_extra,
+    rng_state,
+    set_rng_state,
+    unpack_extra,
+)
+from splitstage.tasks.stage2.distributed import comm_device
+from splitstage.tasks.stage2.safe_dcp import SafeFsspecReader
+
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 METADATA = ".metadata"
 EXTRA = "extra.safetensors"
-FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -129,99 +132,6 @@ def _state(model: nn.Module, optimizers: list, lora_only: bool) -> dict[str, Any
 # -- JSON + tensors encoding of extra_state and RNG state (no pickle)
 
 
-def _encode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    """JSON-able tree; tensors/ndarrays go to `tensors` and are referenced by name."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        name = f"t{len(tensors)}"
-        tensors[name] = obj.detach().cpu().contiguous()
-        return {"__tensor__": name}
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional here
-        np = None
-    if np is not None and isinstance(obj, np.ndarray):
-        return {"__ndarray__": _encode(torch.from_numpy(obj.copy()), tensors, where)}
-    if np is not None and isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in obj.items()}
-        return {
-            "__items__": [
-                [_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")]
-                for k, v in obj.items()
-            ]
-        }
-    raise TypeError(
-        f"{where} is a {type(obj).__name__}; checkpoints store only JSON values, tuples, "
-        "tensors and numpy arrays (no pickle): convert it, e.g. with its state_dict()"
-    )
-
-
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of _encode."""
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if "__ndarray__" in obj:
-        return _decode(obj["__ndarray__"], tensors).numpy()
-    if "__tuple__" in obj:
-        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-    if "__items__" in obj:
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
-    return {k: _decode(v, tensors) for k, v in obj.items()}
-
-
-def _pack(tree: Any, where: str) -> bytes:
-    """A tree of JSON values and tensors as one safetensors blob (JSON in its metadata)."""
-    tensors: dict[str, torch.Tensor] = {}
-    encoded = _encode(tree, tensors, where)
-    return st_save(tensors, metadata={"json": json.dumps(encoded), "format": str(FORMAT)})
-
-
-def _unpack(blob: bytes) -> Any:
-    """Inverse of _pack (reads the safetensors header's metadata, then the tensors)."""
-    (size,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + size])
-    tensors = st_load(blob)
-    return _decode(json.loads(header["__metadata__"]["json"]), tensors)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch CPU, its current CUDA device (if used), python, numpy."""
-    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device only: no new contexts
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what `rng_state` returned, so random draws continue bitwise identically."""
-    torch.set_rng_state(state["torch_cpu"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-
-
 # -- listing and cleaning
 
 
@@ -297,10 +207,10 @@ def save_checkpoint(
     Returns the checkpoint URL. Older checkpoints beyond `keep_last` go after this one is complete.
     """
     if not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"checkpoint.keep_last must be an integer >= 1, got {keep_last!r}")
+        raise ValueError(f"train.keep_checkpoints must be an integer >= 1, got {keep_last!r}")
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    extra_blob = _pack(dict(extra_state or {}), "extra_state")  # fail early on bad values
+    extra_blob = pack_extra(dict(extra_state or {}), "extra_state")  # fail early on bad values
     fs, root = open_fs(url, storage_options)
     path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
     with storage_errors(ckpt_url, "write checkpoint", storage_options):
@@ -312,7 +222,7 @@ def save_checkpoint(
 
         def write_own_files() -> None:
             if save_rng:
-                write_atomic(fs, join(path, _rng_name(_rank())), _pack(rng_state(), "rng"))
+                write_atomic(fs, join(path, _rng_name(_rank())), pack_extra(rng_state(), "rng"))
             if _rank() == 0:
                 write_atomic(fs, join(path, EXTRA), extra_blob)
 
@@ -402,10 +312,10 @@ def load_checkpoint(
             )
         else:
             set_model_state_dict(model, state["model"], options=_options(lora_only))
-        extra = _unpack(fs.cat_file(join(path, EXTRA)))
+        extra = unpack_extra(fs.cat_file(join(path, EXTRA)))
         if restore_rng and marker.get("rng"):
             if marker.get("world_size") == _world():
-                set_rng_state(_unpack(fs.cat_file(join(path, _rng_name(_rank())))))
+                set_rng_state(unpack_extra(fs.cat_file(join(path, _rng_name(_rank())))))
             elif _rank() == 0:
                 log.warning(
                     "checkpoint %s was saved on %s ranks, this job has %d: RNG states not restored",

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from peft import LoraConfig, inject_adapter_in_model
-from splitstage.pipelines import demo
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.tasks.distributed import DistInfo, build_mesh
-from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.parallelize import parallelize
-from splitstage.tasks.weights import materialize_and_load
 from torch import nn
+
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.pipelines.family import Family
+from splitstage.tasks.plan import JobPlan
+from splitstage.tasks.stage2.distributed import DistInfo, build_mesh
+from splitstage.tasks.stage2.parallelize import parallelize
+from splitstage.tasks.stage2.weights import materialize_and_load
 
 LORA_ADAPTER = "default"
 
@@ -57,16 +57,17 @@ def parallel_mode(config: SplitstageConfig, world_size: int) -> tuple[str, int, 
     return mode, world_size // tp, tp
 
 
-def add_lora(model: nn.Module, config: SplitstageConfig) -> nn.Module:
+def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.Module:
     """Inject LoRA adapters (peft) into the target modules; only the adapters train."""
     trainable = config.trainable
-    targets = trainable.lora_target_modules
+    targets = family.lora_targets(trainable.lora_base_model)
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     unknown = [t for t in targets if t not in names]
     if unknown:
         raise ConfigError(
             f"trainable.lora_target_modules: {', '.join(unknown)} name no module of "
-            f"'{trainable.lora_base_model}'; e.g. to_q, to_k, to_v, to_out, fc1, fc2"
+            f"'{trainable.lora_base_model}'; the family's defaults are "
+            f"{', '.join(family.default_lora_targets)}"
         )
     lora = LoraConfig(
         r=trainable.lora_rank,
@@ -88,29 +89,31 @@ def build_stage2_models(
     trained_names = [n for n in config.trainable.models() if n in names]
     mode, dp, tp = parallel_mode(config, dist_info.world_size)
     mesh = build_mesh(dp, tp, dist_info.world_size) if mode != "none" else None
+    family = plan.family
     models: dict[str, nn.Module] = {}
     for name in names:
-        if name not in trained_names or name == "text_encoder":
-            model = demo.build_model(config, name, dist_info.device)
+        weights = family.weights_file(name) if name in trained_names else None
+        if weights is None:  # frozen, or a trained model its family builds loaded
+            model = family.build_model(name, dist_info.device)
             if name in trained_names:
                 model.requires_grad_(True)
                 if mode != "none":
                     parallelize(model, mesh=mesh, mode="ddp" if mode == "ddp" else "fsdp")
             models[name] = model
             continue
-        model = demo.build_model(config, name, dist_info.device, load=False)
+        model = family.build_model(name, dist_info.device, meta=True)
         if name == config.trainable.lora_base_model:
-            model = add_lora(model, config)
+            model = add_lora(model, config, family)
         else:
             model.requires_grad_(True)
-        parallelize(model, mesh=mesh, mode=mode, tp_plan=demo.TP_PLANS.get(name))
-        source = demo.model_source(config, name)
+        parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
+        path, key_prefix = weights
         materialize_and_load(
             model,
-            source.weights,
+            path,
             strategy=config.train.weights_loading,
-            key_prefix=source.key_prefix,
-            buffers_init=_buffers_init,
+            key_prefix=key_prefix,
+            buffers_init=family.init_buffers,
             device=dist_info.device,
             adapter_seed=config.job.seed,
         )
@@ -126,12 +129,3 @@ def build_stage2_models(
         dp_rank=dist_info.rank // tp,  # the mesh is (dp, tp), row-major
         dp_size=dp,
     )
-
-
-def _buffers_init(model: nn.Module) -> None:
-    """Recompute non-persistent buffers (positional tables) that to_empty left as garbage."""
-    for module in model.modules():
-        init = getattr(module, "init_non_persistent_buffers", None)
-        if callable(init):
-            with torch.no_grad():
-                init()

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from splitstage.tasks.cache_store import CacheStore, SampleNotCachedError
+
+from splitstage.tasks.cache.store import CacheStore, SampleNotCachedError
 
 _DONE = object()
 _POLL_S = 0.1

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from splitstage.pipelines.config import SplitstageConfig
-from splitstage.pipelines.data import load_sample
-from splitstage.tasks.cache_reader import CacheDataset, epoch_order
-from splitstage.tasks.cache_store import CacheStore
-from splitstage.tasks.preprocess import collate_samples, index_data_set
+from splitstage.pipelines.family import Family
+from splitstage.pipelines.runtime import collate_samples
+from splitstage.tasks.cache.reader import CacheDataset, epoch_order
+from splitstage.tasks.cache.store import CacheStore
+from splitstage.tasks.data_index import index_data_set
 
 
 class CachedBatches:
@@ -52,8 +53,9 @@ class CachedBatches:
 class RawBatches:
     """Batches decoded from the data set every step: what training without a cache reads."""
 
-    def __init__(self, config: SplitstageConfig, rank: int, world_size: int):
+    def __init__(self, config: SplitstageConfig, family: Family, rank: int, world_size: int):
         self.config = config
+        self.family = family
         self.rank, self.world_size = rank, world_size
         data = index_data_set(config)
         self.rows = dict(zip(data.keys, data.rows))
@@ -70,6 +72,6 @@ class RawBatches:
         size = self.config.train.batch_size
         for index in range(start_batch, self.steps_per_epoch()):
             keys = order[index * size : (index + 1) * size]
-            base, image_size = self.config.data.base_path, self.config.pipeline.image_size
-            samples = [load_sample(self.rows[k], base, image_size) for k in keys]
+            base = self.config.data.base_path
+            samples = [self.family.load_sample(self.rows[k], base) for k in keys]
             yield collate_samples(samples)

@@ -126,14 +126,15 @@ def build_mesh(
     dp_shard: int, tp: int, world_size: int, *, device_type: str | None = None
 ) -> DeviceMesh:
     """A mesh of dp_shard x tp ranks: 1-D ("dp",) when tp == 1, else 2-D ("dp", "tp")."""
-    for name, value in (("dp_shard", dp_shard), ("tp", tp)):
+    fields = (("the data-parallel degree", dp_shard), ("train.tp_degree", tp))
+    for name, value in fields:
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"parallelism.{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if dp_shard * tp != world_size:
         raise ValueError(
             f"mesh dp={dp_shard} x tp={tp} = {dp_shard * tp} ranks but the job has {world_size}; "
-            "set parallelism.dp_shard * parallelism.tp = world size "
-            "(nnodes * nproc_per_node)"
+            "set train.tp_degree (with train.parallelism 'tp' or 'fsdp+tp') to a divisor of the "
+            "world size (train.nnodes * train.nproc_per_node)"
         )
     if dist.is_initialized() and dist.get_world_size() != world_size:
         raise ValueError(

@@ -62,42 +62,44 @@ def _check_mode(mode: str, mesh: DeviceMesh | None, tp_plan) -> tuple:
     """Validate mode against the mesh and plan; return the (dp, tp) sub-meshes to use."""
     if mode not in MODES:
         raise ValueError(
-            f"parallelism.mode={mode!r} is unknown; allowed values: {', '.join(MODES)}"
+            f"train.parallelism={mode!r} is unknown; allowed values: {', '.join(MODES)}"
         )
     dp_mesh, tp_mesh = _mesh_dim(mesh, "dp"), _mesh_dim(mesh, "tp")
     if mesh is not None and dp_mesh is None and tp_mesh is None:
         raise ValueError(
             f"mesh dims {mesh.mesh_dim_names} must be named 'dp' and/or 'tp'; build it with "
-            "splitstage.tasks.distributed.build_mesh"
+            "splitstage.tasks.stage2.distributed.build_mesh"
         )
     if mode == "none" and mesh is not None and mesh.size() > 1:
         raise ValueError(
-            f"parallelism.mode='none' on {mesh.size()} ranks would train {mesh.size()} unsynced "
-            "copies; set parallelism.mode to 'ddp' or 'fsdp'"
+            f"train.parallelism='none' on {mesh.size()} ranks would train {mesh.size()} unsynced "
+            "copies; set train.parallelism to 'ddp' or 'fsdp'"
         )
     if mode in ("ddp", "fsdp", "tp", "fsdp+tp") and mesh is None:
-        raise ValueError(f"parallelism.mode={mode!r} needs a device mesh (tasks.distributed)")
+        raise ValueError(
+            f"train.parallelism={mode!r} needs a device mesh (splitstage.tasks.stage2.distributed)"
+        )
     if mode in ("ddp", "fsdp") and _size(tp_mesh) > 1:
         raise ValueError(
-            f"parallelism.tp={_size(tp_mesh)} but parallelism.mode={mode!r} has no tensor "
-            "parallelism; set parallelism.mode='fsdp+tp' or parallelism.tp=1"
+            f"train.tp_degree={_size(tp_mesh)} but train.parallelism={mode!r} has no tensor "
+            "parallelism; set train.parallelism='fsdp+tp' or train.tp_degree=1"
         )
     if mode == "tp" and _size(dp_mesh) > 1:
         raise ValueError(
-            f"parallelism.dp_shard={_size(dp_mesh)} but parallelism.mode='tp' keeps no data "
-            "parallelism; set parallelism.mode='fsdp+tp' or parallelism.dp_shard=1"
+            f"{_size(dp_mesh)} data-parallel replicas but train.parallelism='tp' keeps no data "
+            "parallelism; set train.parallelism='fsdp+tp' or train.tp_degree = world size"
         )
     if mode in ("tp", "fsdp+tp"):
         if tp_mesh is None:
             raise ValueError(
-                f"parallelism.mode={mode!r} needs a 'tp' mesh dim; set parallelism.tp >= 2"
+                f"train.parallelism={mode!r} needs a 'tp' mesh dim; set train.tp_degree >= 2"
             )
         if not tp_plan:
             raise ValueError(
-                f"parallelism.mode={mode!r} needs a tp_plan (FQN pattern -> 'colwise'/'rowwise')"
+                f"train.parallelism={mode!r} needs a tp_plan (FQN pattern -> 'colwise'/'rowwise')"
             )
     if mode == "fsdp+tp" and dp_mesh is None:
-        raise ValueError("parallelism.mode='fsdp+tp' needs a ('dp', 'tp') mesh from build_mesh")
+        raise ValueError("train.parallelism='fsdp+tp' needs a ('dp', 'tp') mesh from build_mesh")
     return dp_mesh, tp_mesh
 
 
@@ -162,8 +164,8 @@ def _check_divisible(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) 
         if dim is not None and getattr(module, dim) % tp:
             raise ValueError(
                 f"tp_plan: {logical_name(fqn)} ({type(style).__name__}) has {dim}="
-                f"{getattr(module, dim)}, not divisible by parallelism.tp={tp}; choose a "
-                "parallelism.tp that divides it or leave this module out of the plan"
+                f"{getattr(module, dim)}, not divisible by train.tp_degree={tp}; choose a "
+                "train.tp_degree that divides it or leave this module out of the plan"
             )
 
 
@@ -175,11 +177,11 @@ def _mp_policy(mixed_precision) -> MixedPrecisionPolicy | None:
     if isinstance(dtype, str):
         if dtype.lower() not in PRECISIONS:
             raise ValueError(
-                f"parallelism.mixed_precision={dtype!r} is unknown; allowed: {sorted(PRECISIONS)}"
+                f"train.mixed_precision={dtype!r} is unknown; allowed: {sorted(PRECISIONS)}"
             )
         dtype = PRECISIONS[dtype.lower()]
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"parallelism.mixed_precision={mixed_precision!r} is not a dtype")
+        raise ValueError(f"train.mixed_precision={mixed_precision!r} is not a dtype")
     if dtype == torch.float32:
         return None
     # Compute in low precision, reduce gradients in fp32 (as torchtitan does).
@@ -235,7 +237,7 @@ def parallelize(
 ) -> nn.Module:
     """Apply `mode` in place, in order 1. TP (tp_plan) 2. FSDP2 per block then root, or DDP.
 
-    mode: "none" (one rank), "ddp", "fsdp", "tp" or "fsdp+tp" (config field `parallelism.mode`).
+    mode: "none" (one rank), "ddp", "fsdp", "tp" or "fsdp+tp" (config field `train.parallelism`).
     mesh: from `tasks.distributed.build_mesh`; dims "dp" and/or "tp".
     tp_plan: {FQN pattern: ParallelStyle | "colwise" | "rowwise" | "sequence"}; ignored
         without TP, so a model builder can always supply its plan.
@@ -246,8 +248,8 @@ def parallelize(
     mp_policy = _mp_policy(mixed_precision)
     if mp_policy is not None and mode not in ("fsdp", "fsdp+tp"):
         raise ValueError(
-            f"parallelism.mixed_precision applies to FSDP only, but parallelism.mode={mode!r}; "
-            "use autocast in the training step or set parallelism.mode='fsdp'"
+            f"train.mixed_precision applies to FSDP only, but train.parallelism={mode!r}; "
+            "use autocast in the training step or set train.parallelism='fsdp'"
         )
     if mode in ("tp", "fsdp+tp"):
         plan = resolve_tp_plan(model, tp_plan)

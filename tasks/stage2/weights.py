@@ -17,35 +17,29 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from splitstage.splitter import UserError
-from splitstage.tasks.distributed import comm_device, default_device_type
-from splitstage.tasks.parallelize import logical_name
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
+from splitstage.tasks.stage2.distributed import comm_device, default_device_type
+from splitstage.tasks.stage2.weights_file import (
+    PretrainedFile,
+    WeightsError,
+    is_adapter,
+    model_tensors,
+    named,
+    open_and_check,
+)
+
 STRATEGIES = ("slices", "broadcast")
-ADAPTER_SEGMENTS = {"lora_A", "lora_B"}
-OTHER_ADAPTER_SEGMENTS = {"lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"}
-MAX_NAMED = 5
-
-
-class WeightsError(UserError, ValueError):
-    """The pretrained file does not fit the model; the message names the keys and the fix."""
-
-
-class WeightsFileNotFoundError(WeightsError, FileNotFoundError):
-    """The pretrained weights file does not exist."""
 
 
 @dataclass
@@ -58,145 +52,6 @@ class LoadReport:
     initialized_adapters: list[str] = field(default_factory=list)
     cast: list[str] = field(default_factory=list)
     bytes_read: int = 0
-
-
-class _PretrainedFile:
-    """Lazy read access to one safetensors or torch.save file: names, shapes, regions."""
-
-    def __init__(self, path: str, key_prefix: str) -> None:
-        self.path = path
-        self.key_prefix = key_prefix
-        self._safe = None
-        self._tensors: dict[str, torch.Tensor] = {}
-        if _is_safetensors(path):
-            from safetensors import safe_open
-
-            self._safe = safe_open(path, framework="pt", device="cpu")
-            names = list(self._safe.keys())
-        else:
-            self._tensors = _flatten(_torch_load(path))
-            names = list(self._tensors)
-        self.all_keys = names
-        # model key -> file key, for the file keys under key_prefix.
-        self.keys = {k[len(key_prefix) :]: k for k in names if k.startswith(key_prefix)}
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """Global shape of a tensor, read from the header only."""
-        name = self.keys[key]
-        if self._safe is not None:
-            return tuple(self._safe.get_slice(name).get_shape())
-        return tuple(self._tensors[name].shape)
-
-    def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """A tensor, or only `region` of it (reads only those bytes)."""
-        name = self.keys[key]
-        if self._safe is not None:
-            if region is None or len(region) == 0:
-                return self._safe.get_tensor(name)
-            return self._safe.get_slice(name)[region]
-        tensor = self._tensors[name]
-        return tensor if region is None else tensor[region]
-
-
-def _is_safetensors(path: str) -> bool:
-    """True when the file starts like safetensors (8-byte header size, then '{')."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if len(head) < 9 or head[:2] == b"PK":
-        return False
-    return head[8:9] == b"{"
-
-
-def _torch_load(path: str):
-    """torch.load without pickle code execution, memory-mapped so nothing is read yet."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # a legacy or non-torch file
-        raise WeightsError(
-            f"weights file {path} is neither safetensors nor a torch.save zip file loadable with "
-            f"weights_only=True, mmap=True: {exc}"
-        ) from exc
-
-
-def _flatten(obj, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Nested dicts of tensors -> {'a.b': tensor}; non-tensor leaves (epoch, config) dropped."""
-    if isinstance(obj, torch.Tensor):
-        return {prefix[:-1]: obj}
-    if isinstance(obj, dict):
-        out: dict[str, torch.Tensor] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {}
-
-
-def _is_adapter(name: str) -> bool:
-    """True for a peft adapter weight (not expected in a base model's pretrained file)."""
-    return bool(set(name.split(".")) & (ADAPTER_SEGMENTS | OTHER_ADAPTER_SEGMENTS))
-
-
-def _named(keys, limit: int = MAX_NAMED) -> str:
-    """Up to `limit` names, then how many more."""
-    keys = sorted(keys)
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
-
-
-def _suggest_prefix(missing: set[str], file_keys: list[str], key_prefix: str) -> str | None:
-    """A key_prefix whose removal makes the file provide every missing key, if one exists."""
-    votes: Counter[str] = Counter()
-    for fk in file_keys:
-        parts = fk.split(".")
-        for i in range(1, len(parts)):
-            if ".".join(parts[i:]) in missing:
-                votes[".".join(parts[:i]) + "."] += 1
-    for prefix, _ in votes.most_common(3):
-        provided = {k[len(prefix) :] for k in file_keys if k.startswith(prefix)}
-        if missing <= provided:
-            return prefix
-    if key_prefix and missing <= set(file_keys):
-        return ""
-    return None
-
-
-def _check_keys(
-    file: _PretrainedFile,
-    shapes: dict[str, tuple],
-    required: set[str],
-    ignore_unexpected: bool = False,
-) -> None:
-    """Raise a WeightsError naming missing/unexpected keys (with a key_prefix hint) and shapes."""
-    missing = required - set(file.keys)
-    unexpected = set() if ignore_unexpected else set(file.keys) - set(shapes)
-    if missing or unexpected:
-        lines = [f"weights file {file.path} does not match the model"]
-        if file.key_prefix:
-            lines[0] += f" (with key_prefix={file.key_prefix!r})"
-        if missing:
-            lines.append(f"{len(missing)} model keys missing from the file: {_named(missing)}")
-        if unexpected:
-            lines.append(f"{len(unexpected)} unexpected keys in the file: {_named(unexpected)}")
-        hint = _suggest_prefix(missing, file.all_keys, file.key_prefix) if missing else None
-        if hint is not None:
-            lines.append(f"set key_prefix={hint!r} to read the model's keys under that prefix")
-        raise WeightsError("; ".join(lines))
-    for key, model_shape in shapes.items():
-        if key in file.keys and file.shape(key) != tuple(model_shape):
-            raise WeightsError(
-                f"weights file {file.path}: key {file.keys[key]!r} has shape "
-                f"{tuple(file.shape(key))} in the file but {tuple(model_shape)} in the model"
-            )
-
-
-def _model_tensors(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
-    """Logical (plain-model) key -> (state-dict FQN, tensor or DTensor), persistent state only."""
-    out: dict[str, tuple[str, torch.Tensor]] = {}
-    for fqn, tensor in get_model_state_dict(model).items():
-        key = logical_name(fqn)
-        if key in out:
-            raise WeightsError(f"model keys {out[key][0]!r} and {fqn!r} both map to {key!r}")
-        out[key] = (fqn, tensor)
-    return out
 
 
 def _meta_non_persistent_buffers(model: nn.Module) -> list[str]:
@@ -289,26 +144,6 @@ def _raise_agreed(error: Exception | None) -> None:
     raise WeightsError(message)
 
 
-def _open_and_check(path, key_prefix, shapes, required, ignore_unexpected) -> _PretrainedFile:
-    """Open the file and validate its keys and shapes against the model."""
-    if not os.path.isfile(path):
-        raise WeightsFileNotFoundError(
-            f"pretrained weights file {path} does not exist; check the weights path in the config"
-        )
-    file = _PretrainedFile(path, key_prefix)
-    _check_keys(file, shapes, required, ignore_unexpected)
-    return file
-
-
-def check_weights_file(model: nn.Module, path: str | os.PathLike, key_prefix: str = "") -> None:
-    """Check a weights file's keys and shapes against a (meta) model without loading tensors:
-    lets a launcher refuse a wrong file before any process starts."""
-    targets = _model_tensors(model)
-    shapes = {key: tuple(t.shape) for key, (_, t) in targets.items()}
-    required = {key for key in shapes if not _is_adapter(key)}
-    _open_and_check(os.fspath(path), key_prefix, shapes, required, False)
-
-
 def materialize_and_load(
     model: nn.Module,
     path: str | os.PathLike,
@@ -335,18 +170,18 @@ def materialize_and_load(
     meta_buffers = _meta_non_persistent_buffers(model)
     if meta_buffers and buffers_init is None:
         raise ValueError(
-            f"model has non-persistent buffers on the meta device ({_named(meta_buffers)}) that "
+            f"model has non-persistent buffers on the meta device ({named(meta_buffers)}) that "
             "to_empty leaves uninitialized: pass buffers_init=callable(model) that recomputes them"
         )
-    targets = _model_tensors(model)
+    targets = model_tensors(model)
     shapes = {key: tuple(t.shape) for key, (_, t) in targets.items()}
-    required = {key for key in shapes if not _is_adapter(key)}
+    required = {key for key in shapes if not is_adapter(key)}
     rank = dist.get_rank() if dist.is_initialized() else 0
     reads_file = strategy == "slices" or rank == 0
     file, error = None, None
     if reads_file:
         try:
-            file = _open_and_check(path, key_prefix, shapes, required, ignore_unexpected)
+            file = open_and_check(path, key_prefix, shapes, required, ignore_unexpected)
         except Exception as exc:
             error = exc
     _raise_agreed(error)
@@ -354,8 +189,8 @@ def materialize_and_load(
     device = torch.device(device) if device is not None else _default_device()
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         model.to_empty(device=device)
-    targets = _model_tensors(model)  # to_empty may replace tensors
-    adapters = sorted(key for key in targets if _is_adapter(key))
+    targets = model_tensors(model)  # to_empty may replace tensors
+    adapters = sorted(key for key in targets if is_adapter(key))
     init_keys = [key for key in adapters if file is not None and key not in file.keys]
     if strategy == "broadcast":  # only rank 0 knows the file's keys
         init_keys = _broadcast_lines(init_keys)
@@ -379,7 +214,7 @@ def materialize_and_load(
     return report
 
 
-def _load_slices(file: _PretrainedFile, targets, report: LoadReport) -> None:
+def _load_slices(file: PretrainedFile, targets, report: LoadReport) -> None:
     """Each rank copies only its own region of each tensor from the file."""
     for key, (_, tensor) in targets.items():
         if key not in file.keys:

@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
+
 from splitstage.splitter import UserError
 
 MASK = "***"

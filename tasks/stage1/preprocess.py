@@ -10,41 +10,27 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from typing import Any
 
 import torch
-from splitstage.pipelines import demo
+from tqdm import tqdm
+
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.data import (
     DataError,
-    Row,
-    load_metadata,
-    load_sample,
-    read_image_bytes,
-    sample_key,
 )
-from splitstage.pipelines.runtime import StepContext, run_units, split_batch
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.splitter import UserError
-from splitstage.tasks.cache_store import CacheStore
+from splitstage.tasks.cache.store import CacheStore
+from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.device import pick_device
-from splitstage.tasks.job_plan import JobPlan, make_plan
-from tqdm import tqdm
+from splitstage.tasks.plan import JobPlan, make_plan, open_cache
 
 ProgressFn = Callable[[int, int], None]
-
-
-@dataclass
-class DataIndex:
-    """The data set's usable rows with their sample keys, and what was skipped."""
-
-    rows: list[Row]
-    keys: list[str]
-    skipped: list[tuple[int, str]] = field(default_factory=list)
-    duplicates: int = 0
 
 
 @dataclass
@@ -172,52 +158,6 @@ def shard_of(key: str, num_shards: int) -> int:
     return int(key[:16], 16) % num_shards
 
 
-def index_data_set(config: SplitstageConfig) -> DataIndex:
-    """Read the metadata and hash every sample's content; bad rows raise or are counted."""
-    data = config.data
-    loaded = load_metadata(data.base_path, data.metadata_path, skip_bad_rows=data.skip_bad_rows)
-    rows, skipped = loaded if data.skip_bad_rows else (loaded, [])
-    skipped = [(s.line, s.reason) for s in skipped]
-    if data.limit is not None:
-        rows = rows[: data.limit]
-    index = DataIndex(rows=[], keys=[], skipped=skipped)
-    seen: set[str] = set()
-    for row in rows:
-        try:
-            key = sample_key(read_image_bytes(row, data.base_path), row.prompt, row.extras)
-        except DataError as error:
-            if not data.skip_bad_rows:
-                raise
-            index.skipped.append((row.line, str(error)))
-            continue
-        if key in seen:
-            index.duplicates += 1
-            continue
-        seen.add(key)
-        index.rows.append(row)
-        index.keys.append(key)
-    if not index.rows:
-        raise DataError(
-            f"data set {data.base_path}: no usable rows ({len(index.skipped)} skipped); "
-            "check data.base_path and data.metadata_path"
-        )
-    return index
-
-
-def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None) -> CacheStore:
-    """The cache store this job reads and writes (`cache_key` when already known)."""
-    return CacheStore(config.cache.url, cache_key or plan.cache_key, config.cache.storage_options)
-
-
-def collate_samples(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Stack image tensors; keep every other field as a per-sample list."""
-    batch: dict[str, Any] = {}
-    for name in samples[0]:
-        values = [sample[name] for sample in samples]
-        batch[name] = torch.stack(values) if isinstance(values[0], torch.Tensor) else values
-    return batch
-
-
 def preprocess_shard(
     config: SplitstageConfig,
     shard: int = 0,
@@ -252,9 +192,9 @@ def preprocess_shard(
 def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
     """Load the stage-1 models, run V2 in batches, flush full shards as they fill."""
     device = pick_device(config.preprocess.device)
-    models = {name: demo.build_model(config, name, device) for name in plan.split.models["stage1"]}
-    ctx = StepContext(models=models, device=device, settings=demo.settings(config))
-    size = config.pipeline.image_size
+    family = plan.family
+    models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
+    ctx = StepContext(models=models, device=device, settings=family.settings())
     base = config.data.base_path
     batch_size = config.preprocess.batch_size
     buffer: dict[str, dict[str, Any]] = {}
@@ -270,7 +210,7 @@ def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
             samples, keys = [], []
             for row, key in chunk:
                 try:
-                    samples.append(load_sample(row, base, size))
+                    samples.append(family.load_sample(row, base))
                     keys.append(key)
                 except DataError:
                     if not config.data.skip_bad_rows:

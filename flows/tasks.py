@@ -17,22 +17,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
+
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.splitter import UserError
-from splitstage.tasks.job_plan import JobPlan, make_plan
-from splitstage.tasks.preprocess import (
+from splitstage.tasks.cache.storage import StorageUnreachableError
+from splitstage.tasks.data_index import DataIndex, index_data_set
+from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.stage1.preprocess import (
     CacheSnapshot,
-    DataIndex,
     PreprocessReport,
     ShardReport,
-    index_data_set,
-    open_cache,
     preprocess_shard,
     snapshot,
     summarize_preprocess,
 )
-from splitstage.tasks.storage import StorageUnreachableError
-from splitstage.tasks.train import TrainReport, train
+from splitstage.tasks.stage2.launch import TrainReport, train
 
 IO_RETRIES = 2
 IO_RETRY_DELAYS = [2.0, 10.0]

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
-from splitstage.pipelines import demo
-from splitstage.pipelines.config import SplitstageConfig
-from splitstage.pipelines.models import weights_config
-from splitstage.tasks.stage2_models import LORA_ADAPTER, Stage2Models
-from splitstage.tasks.storage import join, open_fs, write_atomic
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.family import Family
+from splitstage.tasks.cache.storage import join, write_atomic
+from splitstage.tasks.outputs import open_output
+from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
 
-def export_key(model_name: str, key: str, remove_prefix: str) -> str:
-    """`pipe.<model>.<param>` as DiffSynth names it, minus `remove_prefix_in_ckpt`."""
-    key = key.replace(f".{LORA_ADAPTER}.", ".")
-    full = f"pipe.{model_name}.{key}"
+
+def export_key(family: Family, model_name: str, key: str, remove_prefix: str) -> str:
+    """The family's key for a trained tensor (peft's adapter name dropped), minus
+    `remove_prefix_in_ckpt`."""
+    full = family.export_key(model_name, key.replace(f".{LORA_ADAPTER}.", "."))
     return full[len(remove_prefix) :] if remove_prefix and full.startswith(remove_prefix) else full
 
 
@@ -33,6 +33,7 @@ def trained_state(stage2: Stage2Models) -> dict[str, dict[str, torch.Tensor]]:
 
 def export_weights(
     config: SplitstageConfig,
+    family: Family,
     stage2: Stage2Models,
     spec: dict[str, Any],
     states: dict[str, dict[str, torch.Tensor]] | None = None,
@@ -45,21 +46,20 @@ def export_weights(
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     url = spec["output_url"]
-    fs, root = open_fs(url, config.cache.storage_options if url.startswith("s3://") else None)
+    fs, root = open_output(config, url)
     fs.makedirs(root, exist_ok=True)
     written = {}
     for name, state in states.items():
         tensors = {
-            export_key(name, key, config.output.remove_prefix_in_ckpt): t.detach().contiguous()
+            export_key(
+                family, name, key, config.output.remove_prefix_in_ckpt
+            ): t.detach().contiguous()
             for key, t in state.items()
             if not stage2.lora or "lora_" in key
         }
         file_name = f"{name}_lora.safetensors" if stage2.lora else f"{name}.safetensors"
         meta = {"format": "pt", "model": name, "lora": str(stage2.lora).lower()}
-        if not stage2.lora:  # the architecture, so the file can be loaded (or warm-started) alone
-            source = demo.model_source(config, name)
-            if source.weights:
-                meta["config"] = json.dumps(weights_config(source.weights), sort_keys=True)
+        meta.update(family.export_metadata(name, stage2.lora))
         if stage2.lora:
             meta["lora_rank"] = str(config.trainable.lora_rank)
             meta["lora_alpha"] = str(config.trainable.lora_alpha or config.trainable.lora_rank)

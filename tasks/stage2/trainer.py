@@ -1,7 +1,7 @@
 """Stage 2, one rank: run V1 + the denoiser on cached boundary params, backprop, checkpoint, export.
 
-Started by torchrun through `tasks.train.launch_training`:
-    torchrun --nproc-per-node N -m splitstage.tasks.train_worker RUN_DIR/spec.json
+The loop of every data/tensor-parallel mode; `pp_trainer.PipelineTrainer` reuses it with the
+pipeline schedule. Started by torchrun through `splitstage.tasks.stage2.worker`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import os
 import resource
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from splitstage.pipelines import demo
+
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.pipelines.runtime import StepContext, run_units
-from splitstage.tasks.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from splitstage.tasks.device import pick_dtype
-from splitstage.tasks.distributed import DistInfo, close_distributed, init_distributed
-from splitstage.tasks.export import export_weights
-from splitstage.tasks.job_plan import JobPlan, make_plan
-from splitstage.tasks.preprocess import open_cache
-from splitstage.tasks.stage2_models import Stage2Models, build_stage2_models
-from splitstage.tasks.train_data import CachedBatches, RawBatches
+from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.stage2.batches import CachedBatches, RawBatches
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from splitstage.tasks.stage2.distributed import DistInfo, init_distributed
+from splitstage.tasks.stage2.export import export_weights
+from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
 
 
 def step_generator(seed: int, rank: int, batch_index: int, device: torch.device) -> torch.Generator:
@@ -88,12 +86,13 @@ class Trainer:
             gradient_accumulation_steps=train.gradient_accumulation_steps,
         )
         self.unsplit = train.mode == "unsplit"
-        names = list(demo.MODEL_NAMES) if self.unsplit else None
+        self.family = self.plan.family
+        names = list(self.family.model_names) if self.unsplit else None
         self.stage2: Stage2Models = self.build_models(names)
         # Unsplit runs every unit in pipeline order each step; split runs only V1.
         self.units = list(self.plan.units) if self.unsplit else self.plan.v1_units
         self.source = (
-            RawBatches(self.config, self.stage2.dp_rank, self.stage2.dp_size)
+            RawBatches(self.config, self.family, self.stage2.dp_rank, self.stage2.dp_size)
             if self.unsplit
             else CachedBatches(
                 self.config,
@@ -145,12 +144,12 @@ class Trainer:
             generator=step_generator(
                 self.config.job.seed, self.stage2.dp_rank, batch_index, self.dist.device
             ),
-            settings=demo.settings(self.config),
+            settings=self.family.settings(),
         )
         inputs = to_device(batch, self.dist.device)
         with self.accelerator.autocast():
             run_units(self.units, ctx, inputs)
-            loss = demo.training_loss(ctx, inputs)
+            loss = self.family.training_loss(ctx, inputs)
         self.accelerator.backward(loss / self.config.train.gradient_accumulation_steps)
         return loss.detach()
 
@@ -270,28 +269,8 @@ class Trainer:
 
     def export(self) -> dict[str, str]:
         """Write the trained weights (collective); rank 0 gets their URLs."""
-        return export_weights(self.config, self.stage2, self.spec)
+        return export_weights(self.config, self.family, self.stage2, self.spec)
 
     def trained_models(self) -> list[torch.nn.Module]:
         """The modules being trained."""
         return [self.stage2.models[name] for name in self.stage2.trained]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point under torchrun: read the run spec, train, leave the process group."""
-    argv = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(argv[0]).read_text())
-    trainer_cls = Trainer
-    if spec["config"]["train"]["parallelism"] == "pp":
-        from splitstage.tasks.pipeline_parallel import PipelineTrainer  # it imports this module
-
-        trainer_cls = PipelineTrainer
-    try:
-        trainer_cls(spec).run()
-    finally:
-        close_distributed()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

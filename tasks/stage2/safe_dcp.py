@@ -13,9 +13,10 @@ import pickle
 from typing import Any
 
 import torch
-from splitstage.splitter import UserError
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from splitstage.splitter import UserError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
 _TORCH_NAMES = {"Size"}

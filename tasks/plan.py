@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from splitstage.pipelines import demo
 from splitstage.pipelines.config import SplitstageConfig
-from splitstage.pipelines.models import text_encoder_path
+from splitstage.pipelines.family import Family, family_for
 from splitstage.pipelines.runtime import RunnableUnit, select
 from splitstage.splitter import Pipeline, SplitPlan, plan_split
-from splitstage.tasks.fingerprint import cache_key, file_digest, stable_hash
+from splitstage.tasks.cache.fingerprint import cache_key, file_digest, stable_hash
+from splitstage.tasks.cache.store import CacheStore
 
 CACHE_DTYPE = "float32"
 
@@ -21,6 +21,7 @@ class JobPlan:
     """Everything both stages derive from the config, computed once."""
 
     config: SplitstageConfig
+    family: Family
     pipeline: Pipeline
     units: tuple[RunnableUnit, ...]
     split: SplitPlan
@@ -36,14 +37,9 @@ class JobPlan:
         return select(self.units, self.split.v2)
 
     def model_fingerprint(self, name: str) -> str:
-        """Content hash of a model's weights (or of its built-in source)."""
-        source = demo.model_source(self.config, name)
-        if source.weights:
-            demo.require_weights_file(source.weights, f"models.{name}.weights")
-            return file_digest(source.weights)
-        if source.builder == "minilm":
-            return file_digest(text_encoder_path() / "model.safetensors")
-        return stable_hash({"builder": source.builder, "seed": self.config.job.seed})
+        """Content hash of a model's weights file, or of the payload that identifies it."""
+        source = self.family.fingerprint_source(name)
+        return file_digest(source) if isinstance(source, str) else stable_hash(source)
 
     @cached_property
     def cache_key(self) -> str:
@@ -53,7 +49,7 @@ class JobPlan:
             v2_units=[self.pipeline.unit(name).to_dict() for name in self.split.v2],
             boundary_params=list(self.split.boundary_params),
             model_fingerprints={m: self.model_fingerprint(m) for m in self.split.models["stage1"]},
-            settings=demo.stage1_settings(self.config),
+            settings=self.family.stage1_settings(),
             dtype=CACHE_DTYPE,
         )
 
@@ -63,9 +59,15 @@ class JobPlan:
 
 
 def make_plan(config: SplitstageConfig) -> JobPlan:
-    """Build the pipeline named by the config and split it for the trainable models."""
-    units = tuple(demo.units())
-    pipeline = demo.pipeline_spec()
+    """Build the pipeline family the config names and split it for the trainable models."""
+    family = family_for(config)
+    units = tuple(family.units())
+    pipeline = family.pipeline_spec()
     split = plan_split(pipeline, config.trainable.models())
-    demo.check_models(config, list(config.models))
-    return JobPlan(config=config, pipeline=pipeline, units=units, split=split)
+    family.check_models(list(config.models))
+    return JobPlan(config=config, family=family, pipeline=pipeline, units=units, split=split)
+
+
+def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None) -> CacheStore:
+    """The cache store this job reads and writes (`cache_key` when already known)."""
+    return CacheStore(config.cache.url, cache_key or plan.cache_key, config.cache.storage_options)

@@ -1,0 +1,200 @@
+"""The family seam: what one pipeline family gives every stage, with defaults, and its lookup.
+
+Generic code (tasks/, flows/) never names a family: it calls `family_for(config)` and uses only
+this interface. A family is one module (or folder) with a torch-free config group (its
+`[pipeline]` settings, see `pipelines.config.setting`) that names its `Family` subclass; the
+registry (`pipelines.registry`) finds the group by name. See docs/adding-a-family.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitstage.pipelines.config import ConfigError, ModelConfig
+from splitstage.pipelines.registry import config_class, import_object
+from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.splitter import Pipeline
+
+if TYPE_CHECKING:
+    from splitstage.pipelines.config import SplitstageConfig
+    from splitstage.pipelines.data import Row
+
+
+@dataclass
+class TrainingStep:
+    """One step's denoiser inputs (positional, in the denoiser's dtype), target and weighting."""
+
+    denoiser_args: tuple[Any, ...]
+    target: torch.Tensor
+    weight: torch.Tensor | None = None  # per-sample loss weights [B] (e.g. min-SNR), or None
+
+
+class Family:
+    """One pipeline family: units, spec, settings, data, models, ONE training step, hooks."""
+
+    name: ClassVar[str]
+    model_names: ClassVar[tuple[str, ...]]  # every model the units or the denoiser call
+    denoiser: ClassVar[str]  # the in-iteration model the training step calls
+    default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out")
+    tp_plans: ClassVar[Mapping[str, Mapping[str, str]]] = {}  # model -> FQN pattern -> style
+
+    def __init__(self, config: SplitstageConfig):
+        self.config = config
+
+    # -- units and the splitter's view ---------------------------------------------------------
+    def units(self) -> list[RunnableUnit]:
+        """The pipeline's units in order, each a DiffSynth-style declaration plus its function."""
+        raise NotImplementedError
+
+    def pipeline_spec(self) -> Pipeline:
+        """What the splitter sees: units, model_fn / loss / step params, in-iteration models."""
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        """Every `[pipeline]` setting, for the units and the training step."""
+        return self.config.pipeline.settings()
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The settings that change stage-1 outputs: the cache key takes exactly these."""
+        return self.config.pipeline.stage1_settings()
+
+    # -- data ------------------------------------------------------------------------------------
+    def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
+        """What one data row becomes: the pipeline inputs of one sample (tensors and values)."""
+        raise NotImplementedError
+
+    # -- models ----------------------------------------------------------------------------------
+    def model_source(self, name: str) -> ModelConfig:
+        """The `[models.NAME]` entry (a family may give defaults)."""
+        if name in self.config.models:
+            return self.config.models[name]
+        raise ConfigError(
+            f"model '{name}' has no [models.{name}] entry; add weights = "
+            f"'path/to/{name}.safetensors'"
+        )
+
+    def check_models(self, names: Sequence[str]) -> None:
+        """Every named model is the family's and has a usable source (checked before launch)."""
+        for name in names:
+            self.require_known(name)
+            source = self.model_source(name)
+            if source.weights is not None:
+                require_file(source.weights, f"models.{name}.weights")
+
+    def require_known(self, name: str) -> None:
+        """A one-line error for a model name this family does not have."""
+        if name not in self.model_names:
+            raise ConfigError(
+                f"models.{name}: the {self.name} pipeline has no model '{name}'; its models are "
+                f"{', '.join(self.model_names)}"
+            )
+
+    def fingerprint_source(self, name: str) -> str | dict[str, Any]:
+        """What identifies a model's weights: a file (hashed by content) or a JSON payload."""
+        source = self.model_source(name)
+        if source.weights:
+            require_file(source.weights, f"models.{name}.weights")
+            return source.weights
+        return {"builder": source.builder, "seed": self.config.job.seed}
+
+    def weights_file(self, name: str) -> tuple[str, str] | None:
+        """(path, key prefix) of the one file stage 2 loads `name`'s slices from after sharding;
+        None when the model is built loaded (then it is parallelized after loading)."""
+        source = self.model_source(name)
+        return (source.weights, source.key_prefix) if source.weights else None
+
+    def build_model(self, name: str, device: torch.device, *, meta: bool = False) -> nn.Module:
+        """Build one model: loaded and frozen, or with meta=True on the meta device (no weights)."""
+        raise NotImplementedError
+
+    def init_buffers(self, model: nn.Module) -> None:
+        """Recompute non-persistent buffers (positional tables) that `to_empty` left as garbage."""
+        for module in model.modules():
+            init = getattr(module, "init_non_persistent_buffers", None)
+            if callable(init):
+                with torch.no_grad():
+                    init()
+
+    # -- the training step (one definition, every trainer) ----------------------------------------
+    def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
+        """Draw the step params (written into `inputs`), the denoiser's inputs and the target."""
+        raise NotImplementedError
+
+    def denoise(self, ctx: StepContext, step: TrainingStep) -> torch.Tensor:
+        """The denoiser's prediction for a step (PP runs the same args through its stages)."""
+        return ctx.model(self.denoiser, "model_fn")(*step.denoiser_args)
+
+    def loss(self, prediction: torch.Tensor, step: TrainingStep) -> torch.Tensor:
+        """The training loss of a prediction (float32 MSE, weighted per sample if the step says)."""
+        if step.weight is None:
+            return F.mse_loss(prediction.float(), step.target.float())
+        error = F.mse_loss(prediction.float(), step.target.float(), reduction="none")
+        per_sample = error.flatten(1).mean(1)
+        return (per_sample * step.weight.to(per_sample)).mean()
+
+    def training_loss(self, ctx: StepContext, inputs: dict[str, Any]) -> torch.Tensor:
+        """The whole step: step params, denoiser, loss (what DDP / FSDP / TP trainers call)."""
+        step = self.training_step(ctx, inputs)
+        return self.loss(self.denoise(ctx, step), step)
+
+    # -- optional hooks ---------------------------------------------------------------------------
+    def lora_targets(self, name: str) -> list[str]:
+        """Module names LoRA adapts in `name`: the config's, else the family's defaults."""
+        return list(self.config.trainable.lora_target_modules or self.default_lora_targets)
+
+    def tp_plan(self, name: str) -> Mapping[str, str] | None:
+        """Tensor-parallel plan (FQN pattern -> 'colwise' / 'rowwise') for a model, if any."""
+        return self.tp_plans.get(name)
+
+    def pp_module_fqns(self, model: nn.Module) -> list[str]:
+        """The denoiser's top-level module FQNs in forward order, for pipeline-parallel stages."""
+        raise ConfigError(
+            f"train.parallelism='pp': the {self.name} family gives no pipeline-parallel module "
+            "order; use 'ddp', 'fsdp' or 'tp'"
+        )
+
+    def pp_prune(self, model: nn.Module, keep_fqns: Sequence[str]) -> nn.Module:
+        """Delete the denoiser's modules outside one stage, in place (FQNs stay global)."""
+        raise ConfigError(f"the {self.name} family cannot prune its denoiser into PP stages")
+
+    def pp_stage_has_work(self, fqns: Sequence[str]) -> bool:
+        """Whether a stage holding these modules does real work (holds a repeated block)."""
+        return True
+
+    def export_key(self, model_name: str, key: str) -> str:
+        """The key an exported tensor gets: `pipe.<model>.<param>` as DiffSynth names it."""
+        return f"pipe.{model_name}.{key}"
+
+    def export_metadata(self, model_name: str, lora: bool) -> dict[str, str]:
+        """Extra safetensors metadata of an exported model (e.g. its architecture)."""
+        return {}
+
+    def sample(self, ctx: StepContext, inputs: dict[str, Any], **options: Any) -> torch.Tensor:
+        """Draw images for cached prompt embeddings (validation sampling fills this in)."""
+        raise NotImplementedError(f"the {self.name} family has no sampler yet")
+
+
+def require_file(path: str, field_name: str, hint: str = "fix the path") -> None:
+    """A clear error for a weights file that is not there."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{field_name}: file {path} does not exist; {hint}")
+
+
+@cache
+def family_class(name: str) -> type[Family]:
+    """The Family subclass of family `name` (imports its heavy dependencies now)."""
+    group = config_class(name)
+    return import_object(group.family_class)
+
+
+def family_for(config: SplitstageConfig) -> Family:
+    """The family the job's `[pipeline] name` picks, bound to the job config."""
+    return family_class(config.pipeline.name)(config)

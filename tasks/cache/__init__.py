@@ -1,0 +1,1 @@
+"""The stage-1 cache: storage, shard format, store, reader, fingerprints."""
