@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from prefect.context import FlowRunContext
@@ -27,9 +27,9 @@ POINTER_FORMAT = 1
 def version_for(flow_run: Any | None) -> str:
     """`20260101T020000Z-1a2b3c4d` from a flow run (its creation time and id), else now + random."""
     if flow_run is not None and getattr(flow_run, "id", None):
-        created = getattr(flow_run, "created", None) or datetime.now(timezone.utc)
-        return f"{created.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}-{str(flow_run.id)[:8]}"
-    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+        created = getattr(flow_run, "created", None) or datetime.now(UTC)
+        return f"{created.astimezone(UTC):%Y%m%dT%H%M%SZ}-{str(flow_run.id)[:8]}"
+    return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
 
 
 def current_version() -> str:
@@ -65,7 +65,7 @@ def write_latest(
         "weights": report.outputs,
         "updates": report.updates,
         "final_loss": report.losses[-1] if report.losses else None,
-        "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **extra,
     }
     fs, root = _output_fs(config)

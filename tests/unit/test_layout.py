@@ -1,4 +1,4 @@
-"""The house rules, checked: packaging under `splitstage`, one-way imports, no cycles, small modules."""
+"""House rules, checked: packaging under `splitstage`, one-way imports, no cycles, small modules."""
 
 from __future__ import annotations
 

@@ -4,10 +4,20 @@ import pytest
 import torch
 
 from splitstage.pipelines.demo.dit import DiT, dit_module_fqns, prune_to_stage
-from splitstage.pipelines.demo.vae import VAEEncoder
-from splitstage.pipelines.flow_matching import add_noise, flow_matching_loss, sample_noise, sample_timesteps
-from splitstage.pipelines.demo.weights import build_demo_weights, load_weights, save_weights, weights_config
 from splitstage.pipelines.demo.text import encode_prompts, load_tiny_text_encoder
+from splitstage.pipelines.demo.vae import VAEEncoder
+from splitstage.pipelines.demo.weights import (
+    build_demo_weights,
+    load_weights,
+    save_weights,
+    weights_config,
+)
+from splitstage.pipelines.flow_matching import (
+    add_noise,
+    flow_matching_loss,
+    sample_noise,
+    sample_timesteps,
+)
 
 B = 2
 
