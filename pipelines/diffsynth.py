@@ -89,7 +89,7 @@ def pipeline_from_diffsynth(
     in_iteration = tuple(getattr(pipe, "in_iteration_models", None) or ())
     known = set(in_iteration)
     for record in records:
-        known.update(record.onload_model_names)
+        known.update(record.models)
     return Pipeline(
         name=pipeline_name,
         units=tuple(records),

@@ -171,6 +171,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_families(args: argparse.Namespace) -> int:
+    """List the pipeline families a job may name, with their `[pipeline]` settings."""
+    from splitstage.pipelines.config import STAGE1
+    from splitstage.pipelines.registry import config_class, family_names
+
+    for name in family_names():
+        group = config_class(name)
+        fields = {k: v for k, v in group.model_fields.items() if k != "name"}
+        marks = [
+            f"{k}{'*' if (v.json_schema_extra or {}).get(STAGE1) else ''}"
+            for k, v in fields.items()
+        ]
+        print(f"{name}: {(group.__doc__ or '').strip().splitlines()[0]}")
+        print(f"  settings: {', '.join(marks) or 'none'}  (* changes stage-1 outputs)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """All subcommands and their options."""
     parser = argparse.ArgumentParser(
@@ -207,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("validate", help="check a job config; print its plan and cache key")
     check.add_argument("config", metavar="CONFIG.toml")
     check.set_defaults(run=cmd_validate)
+
+    fam = sub.add_parser("families", help="list the pipeline families and their settings")
+    fam.set_defaults(run=cmd_families)
 
     pre = sub.add_parser("preprocess", help="stage 1: run V2 over the data set into the cache")
     pre.add_argument("config", metavar="CONFIG.toml")

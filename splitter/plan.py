@@ -160,12 +160,16 @@ def _reason_text(unit: Unit, reason: Reason) -> str:
     return text
 
 
-# Above this many bare-string fields, one combined comparison replaces the per-field ones.
+# Each comparison re-splits the pipeline: above this many bare-string fields, or this many
+# units re-split in all, one combined comparison replaces the per-field ones.
 MAX_FIELD_COMPARISONS = 32
+MAX_COMPARED_UNITS = 1_000_000
 
 
-def _quoted(names: Iterable[str]) -> str:
-    return ", ".join(f"'{name}'" for name in names)
+def _quoted(names: Iterable[str], most: int = 12) -> str:
+    names = list(names)
+    shown = ", ".join(f"'{name}'" for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def string_field_warnings(
@@ -179,8 +183,11 @@ def string_field_warnings(
     """
     units = pipeline.units
     fields = [(i, f) for i, unit in enumerate(units) for f in unit.string_fields]
-    compare_each = len(fields) <= MAX_FIELD_COMPARISONS
+    compare_each = (
+        len(fields) <= MAX_FIELD_COMPARISONS and len(fields) * len(units) <= MAX_COMPARED_UNITS
+    )
     for_whom = f"for trainable {_quoted(trainable)}" if trainable else "with nothing trainable"
+    known = sorted(pipeline.model_names())
     out = []
     for index, name in fields:
         unit = units[index]
@@ -193,7 +200,7 @@ def string_field_warnings(
             out.append(text + "DiffSynth-Studio reads it as no names, and so does this split")
             continue
         if name == "onload_model_names":
-            text += _substring_text(pipeline, unit, value, trainable)
+            text += _substring_text(known, value, trainable)
         else:
             chars = _quoted(dict.fromkeys(value))
             verb = "reads" if name == "input_params" else "writes"
@@ -212,7 +219,7 @@ def string_field_warnings(
                 else f"Read as ('{value}',), the split and the cache {for_whom} are the same"
             )
         else:
-            text += "see the combined warning for what reading each as one name would change"
+            text += "See the combined warning for what reading each as one name would change"
         out.append(text)
     if not compare_each:
         alternative = [unit.as_intended() for unit in units]
@@ -227,7 +234,7 @@ def string_field_warnings(
     return out
 
 
-def _substring_text(pipeline: Pipeline, unit: Unit, value: str, trainable: tuple[str, ...]) -> str:
+def _substring_text(known: Sequence[str], value: str, trainable: tuple[str, ...]) -> str:
     matched = [m for m in trainable if m in value and m != value]
     text = "DiffSynth-Studio tests `model in onload_model_names`, a substring test on a string: "
     if matched:
@@ -239,9 +246,7 @@ def _substring_text(pipeline: Pipeline, unit: Unit, value: str, trainable: tuple
         text += f"trainable '{value}' matches it whole, as the one-name reading would"
     else:
         text += "no trainable model is a substring of it"
-    others = sorted(
-        m for m in pipeline.model_names() if m in value and m != value and m not in trainable
-    )
+    others = [m for m in known if m in value and m != value and m not in trainable]
     if others:
         text += f" (training {_quoted(others)} would match it too)"
     return text
@@ -268,13 +273,14 @@ def _difference(
         parts.append(f"make {_quoted(to_v2)} V2 (now V1)")
     added = [p for p in other_boundary if p not in boundary]
     if added:
-        sources = ", ".join(f"'{p}' (from {_source(other_boundary[p])})" for p in added)
-        parts.append(f"cache {sources}")
+        sources = ", ".join(f"'{p}' (from {_source(other_boundary[p])})" for p in added[:12])
+        more = f" and {len(added) - 12} more" if len(added) > 12 else ""
+        parts.append(f"cache {sources}{more}")
     dropped = [p for p in boundary if p not in other_boundary]
     if dropped:
         parts.append(f"stop caching {_quoted(dropped)}")
     moved = [p for p in boundary if p in other_boundary and other_boundary[p] != boundary[p]]
-    for param in moved:
+    for param in moved[:12]:
         parts.append(
             f"take '{param}' from {_source(other_boundary[param])} instead of "
             f"{_source(boundary[param])}"

@@ -138,7 +138,7 @@ GRAPH_CASES = {
         ["Did you mean 'vae'?"],
     ),
     "wrong field type": (
-        {"name": "p", "units": [{"name": "a", "output_params": "x"}]},
+        {"name": "p", "units": [{"name": "a", "output_params": 3}]},
         [],
         ["field 'output_params'"],
     ),

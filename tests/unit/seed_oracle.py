@@ -1,4 +1,8 @@
-"""A literal transcription of the seed's pseudocode (shared/seeds/000_*.txt): the test oracle."""
+"""A literal transcription of the seed's pseudocode (shared/seeds/000_*.txt): the test oracle.
+
+`PipelineUnit` / `as_diffsynth` add DiffSynth-Studio's own unit class, so the oracle can run on
+the fields exactly as declared (a bare string included) instead of on splitstage's `fetch_*`.
+"""
 
 
 def split_pipeline_units(units, model_names):

@@ -232,7 +232,7 @@ def test_many_string_fields_get_one_combined_comparison(monkeypatch):
     )
     warnings = plan_split(pipe, ["m"]).warnings
     assert len(warnings) == 3
-    assert all("see the combined warning" in w for w in warnings[:2])
+    assert all("See the combined warning" in w for w in warnings[:2])
     assert warnings[2].startswith(
         "2 unit fields are bare strings; read each as one name, for trainable 'm' they would: "
         "make 'b', 'c' V1 (now V2, cached)"
