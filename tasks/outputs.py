@@ -14,10 +14,9 @@ def _scheme(url: str) -> str:
 
 
 def output_storage_options(config: SplitstageConfig, url: str) -> dict[str, Any] | None:
-    """Options for an output or checkpoint URL: on the cache's object store it uses the cache's
-    endpoint options (never secrets: credentials come from the environment); else none."""
-    scheme = _scheme(url)
-    if scheme == "file" or scheme != _scheme(config.cache.url):
+    """Options for an output or checkpoint URL: object storage uses the cache's endpoint options
+    (never secrets: credentials come from the environment); local paths need none."""
+    if _scheme(url) in ("file", "memory"):
         return None
     return dict(config.cache.storage_options) or None
 

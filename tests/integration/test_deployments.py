@@ -239,11 +239,11 @@ def test_cancelling_a_deployment_run_ends_its_torchrun_tree(stack, tiny_params, 
             p
             for p in psutil.process_iter()
             if tagged(p, stack_id)
-            and re.search(r"tasks\.train_worker|torch\.distributed\.run", command(p))
+            and re.search(r"tasks\.stage2\.worker|torch\.distributed\.run", command(p))
         ]
 
     deadline = time.monotonic() + 180
-    while not any("train_worker" in command(p) for p in training()):
+    while not any("stage2.worker" in command(p) for p in training()):
         assert time.monotonic() < deadline, "training never started"
         time.sleep(0.5)
     tree = training()

@@ -71,7 +71,7 @@ def test_plan_preprocess_train_export_through_the_seam(workspace):
     plan = make_plan(config)
     assert plan.split.v1 == () and list(plan.split.v2) == ["Encode", "HashLabels"]
     assert set(plan.split.boundary_params) == {"latents_0", "label"}
-    assert plan.split.models == {"stage1": ["encoder"], "stage2": ["denoiser"]}
+    assert plan.split.models == {"stage1": ("encoder",), "stage2": ("denoiser",)}
     # The stage-1 settings are exactly those the family marked: noise_steps is not one.
     assert plan.family.stage1_settings() == {"image_size": 16, "labels": 32}
     changed = tiny_config(workspace, "x")
