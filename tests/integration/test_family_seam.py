@@ -103,7 +103,8 @@ def test_plan_preprocess_train_export_through_the_seam(workspace):
 def test_the_cli_validates_a_plugin_family_job(workspace, tmp_path):
     config = tmp_path / "job.toml"
     config.write_text(
-        f'[pipeline]\nname = "tiny"\n[models.denoiser]\nweights = "{workspace}/denoiser.safetensors"\n'
+        f'[pipeline]\nname = "tiny"\n'
+        f'[models.denoiser]\nweights = "{workspace}/denoiser.safetensors"\n'
         f'[trainable]\nlora_base_model = "denoiser"\n[data]\nbase_path = "{workspace}/data"\n'
         f'[cache]\nurl = "{workspace}/cache"\n'
     )

@@ -71,7 +71,10 @@ UNITS = (
         Unit("Encode", ("image",), output_params=("latents_0",), onload_model_names=("encoder",)),
         encode,
     ),
-    RunnableUnit(Unit("HashLabels", input_params_posi={"prompt": "prompt"}, output_params=("label",)), hash_labels),
+    RunnableUnit(
+        Unit("HashLabels", input_params_posi={"prompt": "prompt"}, output_params=("label",)),
+        hash_labels,
+    ),
 )
 
 
