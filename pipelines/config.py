@@ -1,127 +1,68 @@
-"""The job config: one TOML file validated by typed groups; also the Prefect flows' parameters."""
+"""The job config: one TOML file validated by typed groups; also the Prefect flows' parameters.
+
+The `[pipeline]` group lives in `pipeline_config`, the error and the group base in `config_base`.
+"""
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
-    SerializeAsAny,
     ValidationError,
-    WrapValidator,
     field_validator,
     model_validator,
 )
 
-from splitstage.splitter import UserError
+from splitstage.pipelines.config_base import ConfigError, Group
+from splitstage.pipelines.pipeline_config import (
+    AnyPipelineConfig,
+    _default_pipeline,
+)
+from splitstage.pipelines.urls import (
+    local_path,
+    normalize_url,
+    scheme_of,
+    validate_endpoint_url,
+    validate_rdzv_endpoint,
+)
 
 
-class ConfigError(UserError, ValueError):
-    """A job config that does not validate: names the field and what is allowed."""
-
-
-class Group(BaseModel):
-    """Base of every config group: unknown fields are errors, values are checked on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+def storage_url(cls: type, value: str) -> str:
+    """A config validator: the storage URL in normal form (see `pipelines.urls`)."""
+    return normalize_url(value, None)
 
 
 class JobConfig(Group):
     """Identity and reproducibility of the job."""
 
-    name: str = Field("splitstage-job", description="Job name: names runs, outputs and logs.")
-    seed: int = Field(0, description="Seed for data order, noise, timesteps and init.")
+    name: str = Field(
+        "splitstage-job",
+        min_length=1,
+        max_length=200,
+        description="Job name: names runs, outputs and logs (one path segment).",
+    )
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seed for data order, noise, timesteps and init."
+    )
 
-
-class PipelineConfig(Group):
-    """Base of every family's `[pipeline]` group: `name` picks the family; the rest are settings.
-
-    A family's group declares each setting once with `setting(..., stage1=...)`: the cache key takes
-    exactly the settings marked as changing stage-1 outputs, so no second hand-kept list can go
-    stale. Groups are torch-free, so `validate` and the Prefect UI form stay light.
-    """
-
-    name: str = Field(description="Pipeline family (see `splitstage families`).")
-    family_class: ClassVar[str] = ""  # "module:Class" of the family, imported only when used
-
+    @field_validator("name")
     @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        for name, info in cls.model_fields.items():
-            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            if name != "name" and STAGE1 not in extra:
-                raise TypeError(
-                    f"{cls.__name__}.{name}: declare it with setting(..., stage1=True|False) so "
-                    "the cache key knows whether it changes stage-1 outputs"
-                )
-
-    def settings(self) -> dict[str, Any]:
-        """Every setting the family's units and training step read."""
-        return {name: getattr(self, name) for name in type(self).model_fields if name != "name"}
-
-    def stage1_settings(self) -> dict[str, Any]:
-        """The settings that change stage-1 outputs (part of the cache key)."""
-        fields = type(self).model_fields
-        return {
-            name: getattr(self, name)
-            for name, info in fields.items()
-            if name != "name" and (info.json_schema_extra or {}).get(STAGE1)
-        }
+    def _one_path_segment(cls, value: str) -> str:
+        return check_path_segment(value)
 
 
-STAGE1 = "changes_stage1"
-
-
-def setting(default: Any = ..., *, stage1: bool, **kwargs: Any) -> Any:
-    """A family setting: `stage1=True` when it changes what stage 1 computes (the cache key)."""
-    return Field(default, json_schema_extra={STAGE1: stage1}, **kwargs)
-
-
-def _pipeline_group(value: Any, handler: Any) -> PipelineConfig:
-    """Validate `[pipeline]` as the config group of the family its `name` picks (default demo)."""
-    if isinstance(value, PipelineConfig):
-        return value
-    if not isinstance(value, dict):
-        return handler(value)
-    from splitstage.pipelines.registry import UnknownFamilyError, config_class
-
-    name = value.get("name", DEFAULT_FAMILY)
-    try:
-        group = config_class(name)
-    except UnknownFamilyError as error:
-        raise ValidationError.from_exception_data(
-            "PipelineConfig",
-            [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": error}}],
-        ) from None
-    return group.model_validate({**value, "name": name})
-
-
-def _default_pipeline() -> PipelineConfig:
-    return _pipeline_group({}, None)
-
-
-class _AnyFamilySchema:
-    """JSON schema of `[pipeline]` for the Prefect UI form: one of the registered families."""
-
-    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
-        from splitstage.pipelines.registry import config_class, family_names
-
-        options = []
-        for name in family_names():
-            schema = config_class(name).model_json_schema()
-            schema.pop("$defs", None)
-            options.append(schema)
-        return {"oneOf": options, "title": "Pipeline", "description": PipelineConfig.__doc__}
-
-
-DEFAULT_FAMILY = "demo"
-AnyPipelineConfig = Annotated[
-    SerializeAsAny[PipelineConfig], WrapValidator(_pipeline_group), _AnyFamilySchema()
-]
+def check_path_segment(value: str) -> str:
+    """A name used as one folder name under an output URL: it may not escape or hide."""
+    bad = sorted({c for c in value if c in "/\\" or ord(c) < 32 or ord(c) == 127})
+    if bad or value.strip() != value or value in (".", "..") or value.startswith((".", "-")):
+        raise ValueError(
+            f"{value!r} cannot name one folder under output.url: no '/' or '\\', no control "
+            "characters or surrounding spaces, no leading '.' or '-'; e.g. 'sdxl-lora-v2'"
+        )
+    return value
 
 
 class ModelConfig(Group):
@@ -146,10 +87,31 @@ class TrainableConfig(Group):
     full: list[str] = Field(default_factory=list, description="Models trained in full.")
     lora_base_model: str | None = Field(None, description="Model to train with LoRA.")
     lora_target_modules: list[str] | None = Field(
-        None, description="Module names LoRA adapts; default: the family's usual targets."
+        None,
+        min_length=1,
+        description="Module names LoRA adapts; default: the family's usual targets.",
     )
     lora_rank: int = Field(8, ge=1, le=1024)
-    lora_alpha: float | None = Field(None, description="Defaults to the rank.")
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA scale numerator (scale = alpha / rank); default: the rank."
+    )
+
+    @model_validator(mode="after")
+    def _one_way_per_model(self) -> TrainableConfig:
+        duplicates = sorted({n for n in self.full if self.full.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"full lists {', '.join(duplicates)} more than once; list each once")
+        if self.lora_base_model and self.lora_base_model in self.full:
+            raise ValueError(
+                f"'{self.lora_base_model}' is both in full and the lora_base_model: train it in "
+                "full (remove lora_base_model) or with LoRA (remove it from full)"
+            )
+        if self.lora_target_modules is not None and not self.lora_base_model:
+            raise ValueError(
+                "lora_target_modules is set but lora_base_model is not: set lora_base_model, "
+                "or remove lora_target_modules"
+            )
+        return self
 
     def models(self) -> list[str]:
         """Every model that needs gradients (the splitter's trainable set)."""
@@ -167,6 +129,19 @@ class DataConfig(Group):
     skip_bad_rows: bool = Field(False, description="Skip and count bad rows instead of failing.")
     limit: int | None = Field(None, ge=1, description="Use only the first N rows.")
 
+    @field_validator("base_path", "metadata_path")
+    @classmethod
+    def _local_folder(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = normalize_url(value, None)
+        if scheme_of(value) != "file":
+            raise ValueError(
+                f"{value!r}: data sets are read from a local folder (or file://) so far; copy "
+                "the data set to a local or mounted folder"
+            )
+        return local_path(value)
+
 
 class CacheConfig(Group):
     """Where stage 1 writes and stage 2 reads; credentials come from the environment or a block."""
@@ -178,18 +153,7 @@ class CacheConfig(Group):
         description="fsspec options without secrets, e.g. {endpoint_url = 'http://...'}.",
     )
 
-    @field_validator("url")
-    @classmethod
-    def _known_scheme(cls, value: str) -> str:
-        scheme = value.split("://", 1)[0] if "://" in value else "file"
-        if scheme not in {"file", "s3", "memory", "gs", "gcs", "az", "abfs"}:
-            raise ValueError(
-                f"unsupported scheme '{scheme}://'; use a local path, file://, s3://, memory://, "
-                "gs:// or az://"
-            )
-        if scheme == "s3" and not value[5:].strip("/"):
-            raise ValueError("s3:// URL needs a bucket, e.g. s3://my-bucket/cache")
-        return value
+    _url = field_validator("url")(storage_url)
 
     @field_validator("storage_options")
     @classmethod
@@ -201,6 +165,9 @@ class CacheConfig(Group):
                 f"holds credentials ({', '.join(found)}); put them in the environment "
                 "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or a Prefect block, not the config"
             )
+        endpoint = value.get("endpoint_url")
+        if endpoint is not None:
+            value = {**value, "endpoint_url": validate_endpoint_url(endpoint, "endpoint_url")}
         return value
 
 
@@ -244,12 +211,35 @@ class TrainConfig(Group):
     checkpoint_url: str | None = Field(None, description="Defaults to <output.url>/checkpoints.")
     log_every: int = Field(10, ge=1)
 
+    @field_validator("checkpoint_url")
+    @classmethod
+    def _checkpoint_url(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_url(value, None)
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _rendezvous(cls, value: str | None) -> str | None:
+        return None if value is None else validate_rdzv_endpoint(value, None)
+
+    allow_stale_cache: bool = Field(
+        False,
+        description="Train on the cached samples of the data set even when the cache does not "
+        "hold all of it (images added, edited or deleted since preprocess); default: refuse.",
+    )
+    scratch_dir: str | None = Field(
+        None,
+        description="Local folder for each run's spec, metrics and result; default: the run's "
+        "output folder when output.url is local, else ./runs/train.",
+    )
+
 
 class OutputConfig(Group):
     """Where trained weights and run records go."""
 
     url: str = Field("runs/output", description="Local folder or fsspec URL.")
     remove_prefix_in_ckpt: str = Field("", description="Key prefix to strip in exported weights.")
+
+    _url = field_validator("url")(storage_url)
 
 
 class SplitstageConfig(Group):
@@ -305,11 +295,17 @@ def load_config(path: str | Path) -> SplitstageConfig:
     """Read and validate a TOML job config."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config {path}: not UTF-8 text (byte {error.start}); save it as UTF-8 TOML"
+        ) from None
     except OSError as error:
         raise ConfigError(f"config {path}: cannot read it ({error.strerror or error})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config {path}: not valid TOML: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path}: TOML nested too deeply to read") from None
     return config_from_dict(data, str(path))

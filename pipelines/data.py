@@ -3,7 +3,11 @@
 The metadata file is `metadata.csv` (header row) or `metadata.jsonl` (one JSON object a line) with
 an `image` column (path relative to the base folder) and a `prompt` column; any other column is
 kept as a per-sample field. Bad data raises `DataError` naming the file, the row as numbered in the
-file (CSV rows count the header as row 1) and how to fix it.
+file (CSV rows count the header as row 1) and how to fix it. Metadata must be UTF-8 (a UTF-8
+BOM is fine); bytes that are not, NUL bytes, an empty file, broken CSV quoting and repeated columns
+are file-level errors naming the line; a bad JSONL line (invalid or too deeply nested JSON, a
+repeated key, a line over MAX_LINE_CHARS, 'image'/'prompt' of the wrong JSON type) is a row error,
+so `skip_bad_rows` can skip it. Images decode as `splitstage.pipelines.images` documents.
 
 A sample key is a content hash of the image file bytes, the prompt and the extra fields: renaming,
 moving or reordering files keeps keys (so the stage-1 cache stays valid); editing an image or a
@@ -12,6 +16,7 @@ caption changes them. Processing choices such as the image size belong to the ca
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -21,19 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
-import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-from splitstage.splitter import UserError
+from splitstage.pipelines.images import (
+    DataError,
+    center_crop_resize,
+    check_file_size,
+    image_to_tensor,
+    open_image,
+    to_rgb8,
+)
 
 REQUIRED_COLUMNS = ("image", "prompt")
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
 SAMPLE_KEY_VERSION = "splitstage-sample-v1"
-
-
-class DataError(UserError, ValueError):
-    """Bad data set content; the message names the file, the row and the fix."""
+MAX_LINE_CHARS = 1 << 20  # a JSONL line longer than this is refused, not parsed
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,9 @@ def find_metadata(base_path: str | Path) -> Path:
     base = Path(base_path)
     if not base.is_dir():
         raise DataError(f"data set folder {base} does not exist or is not a folder")
+    for name in METADATA_NAMES:
+        if (base / name).is_dir():
+            raise DataError(f"{base / name} is a folder, not a file; move it away or rename it")
     found = [base / name for name in METADATA_NAMES if (base / name).is_file()]
     if not found:
         raise DataError(
@@ -75,48 +85,138 @@ def find_metadata(base_path: str | Path) -> Path:
     return found[0]
 
 
+def _read_text(path: Path) -> str:
+    """The whole metadata file as text; DataError naming the line of bad bytes (not UTF-8, NUL)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read metadata file {path}: {exc.strerror or exc}") from exc
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise DataError(f"{path.name} is UTF-16 text; save it as UTF-8 (e.g. 'CSV UTF-8')")
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - data.rfind(b"\n", 0, exc.start)
+        raise DataError(
+            f"{path.name} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
+            f"{column}); save the file as UTF-8"
+        ) from None
+    if (nul := text.find("\0")) >= 0:
+        raise DataError(
+            f"{path.name} line {text.count(chr(10), 0, nul) + 1}: NUL byte; the file is binary or "
+            "UTF-16, save it as UTF-8 text"
+        )
+    if not text.strip():
+        raise DataError(f"metadata file {path} is empty; add an 'image,prompt' header and rows")
+    return text
+
+
+def _csv_problem(exc: csv.Error) -> str:
+    """csv's error message, said as what to change."""
+    text = str(exc)
+    if "unexpected end of data" in text:
+        return 'a quote (") opened here is never closed; close it or double quotes inside cells'
+    if "field larger than field limit" in text:
+        return (
+            f"a cell is longer than {csv.field_size_limit():,} characters (an unclosed quote?); "
+            "close the quote or shorten the cell"
+        )
+    if "expected after" in text:
+        return 'text after a closing quote; quote the whole cell and write inner quotes as ""'
+    return f"bad CSV ({text})"
+
+
 def _csv_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(row number, record) pairs of a CSV file; checks the header has image and prompt."""
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f, restval="")
+    """(row number, record) pairs of a CSV file; checks the header has image and prompt.
+
+    Strict quoting: an unclosed quote is an error naming its row, never a caption that silently
+    swallows the rest of the file.
+    """
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""), restval="", strict=True)
+    try:
+        columns = reader.fieldnames or []
+    except csv.Error as exc:
+        raise DataError(f"{path.name} row 1 (header): {_csv_problem(exc)}") from exc
+    _check_columns(columns, path, "row 1 (header)")
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if repeated:
+        raise DataError(
+            f"{path.name} row 1 (header): column(s) {', '.join(map(repr, repeated))} appear "
+            "more than once; rename or remove the copies"
+        )
+    while True:
+        start = reader.line_num + 1
         try:
-            columns = reader.fieldnames or []
-        except (csv.Error, UnicodeDecodeError) as exc:
-            raise DataError(f"{path} is not a readable CSV file: {exc}") from exc
-        _check_columns(columns, path, "row 1 (header)")
-        while True:
-            try:
-                record = next(reader)
-            except StopIteration:
-                return
-            except (csv.Error, UnicodeDecodeError) as exc:
-                raise DataError(f"{path.name} row {reader.line_num}: bad CSV: {exc}") from exc
-            yield reader.line_num, record  # the file line a record ends on (blank lines count)
+            record = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise DataError(f"{path.name} row {start}: {_csv_problem(exc)}") from exc
+        yield reader.line_num, record  # the file line a record ends on (blank lines count)
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise _RepeatedKey(f"key {key!r} appears twice; keep one")
+    return record
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
     """(line number, record or the DataError of a bad line) pairs; blank lines are skipped."""
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield (
-                    line_no,
-                    DataError(
-                        f"{path.name} row {line_no}: not valid JSON ({exc.msg} at column "
-                        f"{exc.colno}); each line must be one JSON object"
-                    ),
-                )
-                continue
-            if not isinstance(record, dict):
-                record = DataError(
-                    f"{path.name} row {line_no}: expected a JSON object with 'image' and 'prompt', "
-                    f"got {type(record).__name__}"
-                )
-            yield line_no, record
+    lines = io.StringIO(_read_text(path), newline=None)
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name} row {line_no}"
+        if len(line) > MAX_LINE_CHARS:
+            yield (
+                line_no,
+                DataError(
+                    f"{where}: line is {len(line):,} characters, over the limit of "
+                    f"{MAX_LINE_CHARS:,}; shorten it (one JSON object a line)"
+                ),
+            )
+            continue
+        try:
+            record = json.loads(line, object_pairs_hook=_unique_keys)
+        except json.JSONDecodeError as exc:
+            yield (
+                line_no,
+                DataError(
+                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line must "
+                    "be one JSON object"
+                ),
+            )
+            continue
+        except RecursionError:
+            yield line_no, DataError(f"{where}: JSON nested too deeply; one flat object a line")
+            continue
+        except ValueError as exc:  # a repeated key, an integer too long to convert
+            yield line_no, DataError(f"{where}: not usable JSON ({exc})")
+            continue
+        if not isinstance(record, dict):
+            record = DataError(
+                f"{where}: expected a JSON object with 'image' and 'prompt', got "
+                f"{_json_kind(record)}"
+            )
+        yield line_no, record
+
+
+def _json_kind(value: Any) -> str:
+    """'a number (3)', 'a list', 'null': a JSON value's type, for messages."""
+    if value is None:
+        return "null"
+    kind = {bool: "true/false", str: "text", list: "a list", dict: "an object"}.get(type(value))
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"{kind or 'a number'} ({shown})"
 
 
 def _check_columns(columns: Sequence[str], path: Path, where: str) -> None:
@@ -138,8 +238,18 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any] | DataError]]:
     raise DataError(f"metadata file {path} is not .csv or .jsonl; convert it to one of those")
 
 
+def _check_image_file(where: str, path: Path) -> None:
+    try:
+        found = path.is_file()
+    except (OSError, ValueError) as exc:  # e.g. a name too long for the file system
+        reason = getattr(exc, "strerror", None) or exc
+        raise DataError(f"{where}: image path {str(path)[:200]!r} is unusable: {reason}") from exc
+    if not found:
+        raise DataError(f"{where}: image file {path} not found; fix the path or remove row")
+
+
 def _to_row(line: int, record: Mapping[str, Any] | DataError, base: Path, source: Path) -> Row:
-    """Validate one record (columns, non-empty prompt, image file present) into a Row."""
+    """Validate one record (columns, text prompt and path, image file present) into a Row."""
     if isinstance(record, DataError):
         raise record
     where = f"{source.name} row {line}"
@@ -148,12 +258,24 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: Path, source
     if source.suffix.lower() == ".jsonl":
         _check_columns(list(record), source, f"row {line}")
     image, prompt = record.get("image"), record.get("prompt")
-    if not isinstance(image, str) or not image.strip():
+    if image is not None and not isinstance(image, str):
+        raise DataError(f"{where}: 'image' must be a path string, got {_json_kind(image)}")
+    if not image or not image.strip():
         raise DataError(f"{where}: empty 'image' field; give the image path relative to {base}")
-    if not isinstance(prompt, str) or not prompt.strip():
+    if prompt is not None and not isinstance(prompt, str):
+        raise DataError(
+            f"{where}: 'prompt' must be text, got {_json_kind(prompt)}; put the caption in quotes"
+        )
+    if not prompt or not prompt.strip():
         raise DataError(f"{where}: empty 'prompt' for image {image!r}; write a caption")
-    if not (base / image).is_file():
-        raise DataError(f"{where}: image file {base / image} not found; fix the path or remove row")
+    try:
+        json.dumps(dict(record), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON escapes such as "\ud800" decode to no character
+        raise DataError(
+            f"{where}: text holds an unpaired surrogate escape ({exc.object[exc.start]!r}); "
+            "fix the \\u escape"
+        ) from exc
+    _check_image_file(where, base / image)
     extras = {k: v for k, v in record.items() if k not in REQUIRED_COLUMNS}
     return Row(line=line, image=image, prompt=prompt, extras=extras, source=source.name)
 
@@ -169,10 +291,13 @@ def load_metadata(
 
     Raises DataError at the first bad row; with skip_bad_rows=True returns (good rows, skipped).
     check_images=True also decodes every image (slower) so corrupt files are found here rather
-    than in load_sample. File-level problems (missing columns, bad format) always raise.
+    than in load_sample. File-level problems always raise: missing or repeated columns, bad
+    format, bytes that are not UTF-8 or hold NUL, an empty file, broken CSV quoting.
     """
     base = Path(base_path)
     path = Path(metadata_path) if metadata_path is not None else find_metadata(base)
+    if path.is_dir():
+        raise DataError(f"metadata file {path} is a folder; give the .csv or .jsonl file in it")
     if not path.is_file():
         raise DataError(f"metadata file {path} does not exist")
     rows: list[Row] = []
@@ -188,47 +313,32 @@ def load_metadata(
             skipped.append(Skipped(line, str(exc)))
             continue
         rows.append(row)
+    if not rows and not skipped:
+        raise DataError(f"metadata file {path} has no rows; add one row per image")
     return (rows, skipped) if skip_bad_rows else rows
 
 
 def read_image_bytes(row: Row, base_path: str | Path) -> bytes:
-    """The image file's bytes; DataError naming the row if it cannot be read."""
+    """The image file's bytes; DataError naming the row if it cannot be read or is too big."""
     path = Path(base_path) / row.image
     try:
+        check_file_size(row.where, path, path.stat().st_size)
         return path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"{row.where}: cannot read image file {path}: {exc.strerror}") from exc
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, DataError):
+            raise
+        reason = getattr(exc, "strerror", None) or exc
+        raise DataError(f"{row.where}: cannot read image file {path}: {reason}") from exc
 
 
 def decode_image(data: bytes, row: Row, base_path: str | Path) -> Image.Image:
-    """Decode image bytes to an RGB PIL image; DataError naming the row and file if corrupt."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        reason = "unknown image format" if isinstance(exc, UnidentifiedImageError) else str(exc)
-        raise DataError(
-            f"{row.where}: image file {Path(base_path) / row.image} is corrupt or not an image "
-            f"({reason}); re-export it or remove the row"
-        ) from exc
+    """Decode image bytes to an 8-bit RGB PIL image; DataError naming the row and file if bad.
 
-
-def _center_crop_resize(img: Image.Image, height: int, width: int) -> Image.Image:
-    """Scale to cover height x width, then crop the center (DiffSynth's ImageCropAndResize)."""
-    if img.size == (width, height):
-        return img
-    scale = max(height / img.height, width / img.width)
-    new_w, new_h = max(width, round(img.width * scale)), max(height, round(img.height * scale))
-    img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    left, top = (new_w - width) // 2, (new_h - height) // 2
-    return img.crop((left, top, left + width, top + height))
-
-
-def image_to_tensor(img: Image.Image) -> torch.Tensor:
-    """RGB PIL image -> float tensor [3,H,W] in [-1,1]."""
-    array = np.asarray(img, dtype=np.uint8)
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 127.5 - 1.0
+    The choices of `splitstage.pipelines.images` apply (EXIF orientation, first frame, alpha onto
+    white, 16-bit and float range checks, bomb guard). 16-bit and float images are rounded to 8
+    bits here; load_sample keeps their full precision.
+    """
+    return to_rgb8(open_image(data, row.where, Path(base_path) / row.image))
 
 
 def load_sample(
@@ -240,14 +350,15 @@ def load_sample(
     """One sample: image [3,H,W] in [-1,1], prompt, height, width, then the row's extra fields.
 
     Pass image_bytes if already read (e.g. for the sample key) to avoid reading the file twice.
-    Extra fields never override image/prompt/height/width.
+    Extra fields never override image/prompt/height/width. 16-bit and float images are resized
+    and converted in float, never through 8 bits (see `splitstage.pipelines.images`).
     """
     height, width = (size, size) if isinstance(size, int) else size
     data = read_image_bytes(row, base_path) if image_bytes is None else image_bytes
-    img = _center_crop_resize(decode_image(data, row, base_path), height, width)
+    img = open_image(data, row.where, Path(base_path) / row.image)
     return {
         **row.extras,
-        "image": image_to_tensor(img),
+        "image": image_to_tensor(center_crop_resize(img, height, width)),
         "prompt": row.prompt,
         "height": height,
         "width": width,

@@ -2,8 +2,9 @@
 
 Generic code (tasks/, flows/) never names a family: it calls `family_for(config)` and uses only
 this interface. A family is one module (or folder) with a torch-free config group (its
-`[pipeline]` settings, see `pipelines.config.setting`) that names its `Family` subclass; the
-registry (`pipelines.registry`) finds the group by name. See docs/adding-a-family.md.
+`[pipeline]` settings, see `pipelines.pipeline_config.setting`) that names its `Family`
+subclass; the registry (`pipelines.registry`) finds the group by name. See
+docs/adding-a-family.md.
 """
 
 from __future__ import annotations

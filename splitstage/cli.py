@@ -6,6 +6,7 @@ Run `splitstage --help`. User errors print one line `splitstage: error: ...` and
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections.abc import Sequence
@@ -23,8 +24,40 @@ from splitstage.splitter import (
 )
 
 EXIT_USAGE = 2
+ENVIRONMENT_ERRNOS = {  # OSErrors that name a path the user must fix, and how
+    errno.ENOSPC: "no space left on the device; free space or point the path elsewhere",
+    errno.EDQUOT: "disk quota exceeded; free space or point the path elsewhere",
+    errno.EROFS: "read-only file system; point the path at a writable folder",
+    errno.EACCES: "permission denied; make it writable or point the path elsewhere",
+    errno.EPERM: "operation not permitted; make it writable or point the path elsewhere",
+}
 # Bad input from the user; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with bad arguments reported as ONE line `splitstage: error: ...`, exit 2."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
+        command = self.prog.removeprefix("splitstage").strip()
+        where = f"{command}: " if command else ""
+        self.exit(EXIT_USAGE, f"splitstage: error: {where}{message} (see --help)\n")
+
+
+def count(minimum: int):
+    """An argparse type: an integer >= minimum, with a message naming the bound."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
+        return number
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def _csv(value: str) -> list[str]:
@@ -34,7 +67,11 @@ def _csv(value: str) -> list[str]:
 def _read_json(path: str, what: str):
     """Read a JSON file, with errors that name the file and the problem."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"{what} {path}: not UTF-8 text (byte {error.start}); save it as UTF-8 JSON"
+        ) from None
     except OSError as error:
         raise UserError(f"{what} {path}: cannot read it ({error.strerror or error})") from None
     try:
@@ -42,6 +79,8 @@ def _read_json(path: str, what: str):
     except json.JSONDecodeError as error:
         where = f"line {error.lineno}, column {error.colno}"
         raise UserError(f"{what} {path}: not valid JSON at {where}: {error.msg}") from None
+    except RecursionError:
+        raise UserError(f"{what} {path}: JSON nested too deeply to read") from None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -100,7 +139,13 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from splitstage.tasks.stage1.preprocess import preprocess
 
     config = load_config(args.config)
-    report = preprocess(config, workers=args.workers, shard=args.shard, progress=not args.json)
+    report = preprocess(
+        config,
+        workers=args.workers,
+        shard=args.shard,
+        progress=not args.json,
+        verify=args.verify,
+    )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.line())
     return 0
 
@@ -126,19 +171,37 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """Show or check the cache of a job: statistics, or every shard's size and checksum."""
+    """Show or check the cache of a job: statistics, or every shard's size, checksum and params
+    against its index entry and the manifest. `verify` moves damaged entries to quarantine/ (no
+    reader sees them again) so that the next preprocess recomputes their samples."""
     from splitstage.pipelines.config import load_config
+    from splitstage.tasks.cache.shard_format import CacheNotFoundError
     from splitstage.tasks.plan import make_plan, open_cache
 
     config = load_config(args.config)
-    store = open_cache(config, make_plan(config))
+    plan = make_plan(config)
+    store = open_cache(config, plan)
+    fix = f"run `splitstage preprocess {args.config}`"
+    store.require(fix)
     if args.action == "stats":
         stats = store.stats()
         print(json.dumps({"url": store.url, **stats.__dict__}, indent=2, default=str))
         return 0
-    report = store.verify()
-    for line in report.lines():
+    report = store.verify(params=plan.split.boundary_params)
+    if not report.samples and not report.damaged:
+        found = f"; the manifest lists {report.manifest_samples}" if report.manifest_samples else ""
+        found += f"; {len(report.orphans)} shard files have none" if report.orphans else ""
+        raise CacheNotFoundError(
+            f"cache {store.url} holds no samples (no index entries{found}); {fix}"
+        )
+    report.quarantined = store.quarantine(report.damaged)
+    for line in report.lines(fix):
         print(line)
+    if report.quarantined:
+        print(
+            f"moved {len(report.quarantined)} damaged index entries (and their shards) to "
+            f"{store.url}/quarantine/; {fix} to recompute their {len(report.lost)} samples"
+        )
     return 0 if report.ok else 1
 
 
@@ -164,16 +227,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """Check a job config and print its plan and cache key, without running anything."""
     from splitstage.pipelines.config import load_config
     from splitstage.tasks.plan import make_plan
+    from splitstage.tasks.stage2.preflight import preflight
 
-    plan = make_plan(load_config(args.config))
+    config = load_config(args.config)
+    plan = make_plan(config)
+    checks = preflight(config, plan)
     print(plan_table(plan.split))
     print(f"cache key: {plan.cache_key}")
+    for warning in checks.warnings:
+        print(f"splitstage: warning: {warning}", file=sys.stderr)
     return 0
 
 
 def cmd_families(args: argparse.Namespace) -> int:
     """List the pipeline families a job may name, with their `[pipeline]` settings."""
-    from splitstage.pipelines.config import STAGE1
+    from splitstage.pipelines.pipeline_config import STAGE1
     from splitstage.pipelines.registry import config_class, family_names
 
     for name in family_names():
@@ -190,9 +258,7 @@ def cmd_families(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """All subcommands and their options."""
-    parser = argparse.ArgumentParser(
-        prog="splitstage", description="Two-stage split training for diffusion models."
-    )
+    parser = Parser(prog="splitstage", description="Two-stage split training for diffusion models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = sub.add_parser("plan", help="split a pipeline's units into V1 (trained) and V2 (cached)")
@@ -210,14 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     source = stages.add_mutually_exclusive_group()
     source.add_argument("--modules", help="ordered module FQNs, comma-separated")
     source.add_argument("--modules-file", help="JSON list of ordered module FQNs")
-    source.add_argument("--num-layers", type=int, help="number of repeated layers")
+    source.add_argument("--num-layers", type=count(1), help="number of repeated layers")
     stages.add_argument("--layer-prefix", default="blocks")
     stages.add_argument("--input-modules", default="", help="modules before the layers")
     stages.add_argument("--output-modules", default="", help="modules after the layers")
-    stages.add_argument("--num-stages", type=int, help="pipeline stages (or the PP degree)")
-    stages.add_argument("--layers-per-stage", type=int)
-    stages.add_argument("--first-stage-less-layers", type=int, default=1)
-    stages.add_argument("--last-stage-less-layers", type=int, default=1)
+    stages.add_argument("--num-stages", type=count(1), help="pipeline stages (or the PP degree)")
+    stages.add_argument("--layers-per-stage", type=count(1))
+    stages.add_argument("--first-stage-less-layers", type=count(0), default=1)
+    stages.add_argument("--last-stage-less-layers", type=count(0), default=1)
     stages.add_argument("--validate", metavar="STAGES.json", help="check a given assignment")
     stages.set_defaults(run=cmd_stages)
 
@@ -231,15 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("preprocess", help="stage 1: run V2 over the data set into the cache")
     pre.add_argument("config", metavar="CONFIG.toml")
     pre.add_argument("--shard", type=_shard, metavar="I/N", help="run only shard I of N")
-    pre.add_argument("--workers", type=int, help="local worker processes (default: config)")
+    pre.add_argument("--workers", type=count(1), help="local worker processes (default: config)")
+    pre.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read every cached shard (default: only shards changed since their commit)",
+    )
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
     pre.set_defaults(run=cmd_preprocess)
 
     tr = sub.add_parser("train", help="stage 2: train V1 + the denoiser from the cache (torchrun)")
     tr.add_argument("config", metavar="CONFIG.toml")
     tr.add_argument("--run-id", help="names outputs and checkpoints (default: job.name)")
-    tr.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node)")
-    tr.add_argument("--nproc-per-node", type=int, help="override train.nproc_per_node")
+    tr.add_argument("--node-rank", type=count(0), default=0, help="this node's rank (multi-node)")
+    tr.add_argument("--nproc-per-node", type=count(1), help="override train.nproc_per_node")
     tr.add_argument("--mode", choices=("split", "unsplit"), help="override train.mode")
     tr.add_argument("--json", action="store_true", help="print the report as JSON")
     tr.set_defaults(run=cmd_train)
@@ -253,8 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="dataset", required=True, metavar="DATASET")
     digits = data_sub.add_parser("digits", help="scikit-learn's 1,797 handwritten digits")
     digits.add_argument("out_dir", metavar="OUT_DIR")
-    digits.add_argument("--limit", type=int, help="write only the first N samples")
-    digits.add_argument("--size", type=int, default=64, help="image side in pixels")
+    digits.add_argument("--limit", type=count(1), help="write only the first N samples")
+    digits.add_argument("--size", type=count(8), default=64, help="image side in pixels")
     digits.set_defaults(run=cmd_data_digits)
 
     weights = sub.add_parser("demo-weights", help="write the demo's VAE and DiT weight files")
@@ -272,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except USER_ERRORS as error:
         print(f"splitstage: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as error:  # the machine, not the code: a full disk, a read-only folder
+        if error.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        where = error.filename or "a file"
+        print(f"splitstage: error: {where}: {ENVIRONMENT_ERRNOS[error.errno]}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("splitstage: interrupted", file=sys.stderr)

@@ -8,6 +8,8 @@ from typing import Any
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.tasks.cache.storage import open_fs
 
+ERROR_FILE = "error.json"  # in a run folder: a rank's one-line reason for stopping on bad input
+
 
 def _scheme(url: str) -> str:
     return url.split("://", 1)[0] if "://" in url else "file"

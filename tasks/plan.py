@@ -8,6 +8,7 @@ from typing import Any
 
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.family import Family, family_for
+from splitstage.pipelines.images import DECODE_VERSION
 from splitstage.pipelines.runtime import RunnableUnit, select
 from splitstage.splitter import Pipeline, SplitPlan, plan_split
 from splitstage.tasks.cache.fingerprint import cache_key, file_digest, stable_hash
@@ -49,7 +50,8 @@ class JobPlan:
             v2_units=[self.pipeline.unit(name).to_dict() for name in self.split.v2],
             boundary_params=list(self.split.boundary_params),
             model_fingerprints={m: self.model_fingerprint(m) for m in self.split.models["stage1"]},
-            settings=self.family.stage1_settings(),
+            # How image files decode to pixels changes what stage 1 computes from the same bytes.
+            settings={**self.family.stage1_settings(), "image_decode": DECODE_VERSION},
             dtype=CACHE_DTYPE,
         )
 

@@ -43,10 +43,15 @@ def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
 
 
 def epoch_order(
-    keys: Iterable[str], epoch: int, seed: int, rank: int, world_size: int
+    keys: Iterable[str], epoch: int, seed: int, rank: int, world_size: int, offset: int = 0
 ) -> list[str]:
     """Rank `rank`'s keys for `epoch`: shuffle the sorted, de-duplicated keys with (seed, epoch),
-    drop the tail that does not divide by `world_size`, take every world_size-th key from rank."""
+    skip the first `offset` (consumed before a resume), drop the tail that does not divide by
+    `world_size`, take every world_size-th key from rank.
+
+    The ranks' first n keys together are exactly the next n * world_size keys of the epoch's
+    order, so a resume with another world size or batch size continues exactly: every sample of
+    the epoch is seen once (`offset` = samples consumed so far in the epoch, over all ranks)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
     order = sorted(set(keys))
@@ -55,6 +60,7 @@ def epoch_order(
             f"{len(order)} samples cannot be split over {world_size} ranks; use fewer ranks"
         )
     random.Random(f"splitstage-epoch:{seed}:{epoch}").shuffle(order)
+    order = order[offset:]
     usable = len(order) - len(order) % world_size
     return order[:usable][rank::world_size]
 
@@ -131,9 +137,11 @@ class CacheDataset:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def epoch_order(self, epoch: int, seed: int, rank: int, world_size: int) -> list[str]:
-        """This rank's sample keys for `epoch`: seeded shuffle, tail dropped, strided split."""
-        return epoch_order(self.keys, epoch, seed, rank, world_size)
+    def epoch_order(
+        self, epoch: int, seed: int, rank: int, world_size: int, offset: int = 0
+    ) -> list[str]:
+        """This rank's sample keys for `epoch` after `offset`: seeded shuffle, strided split."""
+        return epoch_order(self.keys, epoch, seed, rank, world_size, offset)
 
     def batches(
         self,
@@ -143,11 +151,12 @@ class CacheDataset:
         world_size: int,
         batch_size: int,
         drop_last: bool = False,
+        offset: int = 0,
     ) -> list[list[str]]:
         """This rank's batches of sample keys for `epoch` (same count on every rank)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        order = self.epoch_order(epoch, seed, rank, world_size)
+        order = self.epoch_order(epoch, seed, rank, world_size, offset)
         out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         if drop_last and out and len(out[-1]) < batch_size:
             out.pop()
@@ -210,6 +219,7 @@ class CacheDataset:
         drop_last: bool = False,
         group_batches: int | None = None,
         with_keys: bool = False,
+        offset: int = 0,
     ) -> Iterator[dict[str, Any]]:
         """Yield this rank's batches of `epoch` from `start_batch` on, prefetching in a thread.
 
@@ -217,7 +227,7 @@ class CacheDataset:
         grouped `group_batches` batches at a time (default max(1, prefetch)). Errors from the
         thread are raised here. `with_keys=True` yields `(sample_keys, batch)` pairs.
         """
-        all_batches = self.batches(epoch, seed, rank, world_size, batch_size, drop_last)
+        all_batches = self.batches(epoch, seed, rank, world_size, batch_size, drop_last, offset)
         if not 0 <= start_batch <= len(all_batches):
             raise ValueError(
                 f"start_batch={start_batch} is outside the {len(all_batches)} batches of rank "

@@ -1,8 +1,9 @@
 """fsspec helpers for the cache and checkpoints: open a URL, write atomically, batch I/O, and
-turn object-store failures into `StorageError`s that name the URL and what to check.
+turn storage failures (object-store errors; full, read-only or forbidden disks) into
+`StorageError`s that name the URL and what to check. Buckets are never created (`ensure_folder`).
 
 Credentials come from `storage_options` (`key`/`secret`/`token`, or the boto names) or from the
-standard AWS environment variables; they are never put into messages or reprs (see `redact`).
+standard AWS environment variables; never put into messages or reprs (`urls.redact`, `urls.scrub`).
 """
 
 from __future__ import annotations
@@ -10,33 +11,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
-from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
+from splitstage.pipelines import urls
+from splitstage.pipelines.urls import redact, scrub
 from splitstage.splitter import UserError
 
-MASK = "***"
-_SECRET_NAMES = {
-    "key",
-    "secret",
-    "token",
-    "password",
-    "passwd",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "access_key",
-    "secret_key",
-    "session_token",
-    "credentials",
-}
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 _S3_ALIASES = {
     "aws_access_key_id": "key",
     "aws_secret_access_key": "secret",
@@ -61,8 +48,8 @@ class StorageCredentialsError(StorageError):
     """The endpoint rejected the credentials (unknown key id, wrong secret, expired token)."""
 
 
-class StorageBucketNotFoundError(StorageError):
-    """The bucket named in the URL does not exist on the endpoint."""
+class StorageBucketNotFoundError(StorageError, FileNotFoundError):
+    """The bucket named in the URL does not exist on the endpoint (never created for you)."""
 
 
 class StoragePermissionError(StorageError):
@@ -73,41 +60,56 @@ class StorageUnreachableError(StorageError):
     """The storage endpoint could not be reached (wrong endpoint URL, server down, no network)."""
 
 
-def redact(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Return a copy of `options` with credentials masked, safe to log or show in a repr."""
-    out: dict[str, Any] = {}
-    for name, value in (options or {}).items():
-        if str(name).lower() in _SECRET_NAMES and value is not None:
-            out[name] = MASK
-        elif isinstance(value, Mapping):
-            out[name] = redact(value)
-        else:
-            out[name] = value
-    return out
+class StorageFullError(StorageError):
+    """No space left on the device, or the disk quota is used up (ENOSPC, EDQUOT)."""
+
+
+class StorageReadOnlyError(StorageError):
+    """The filesystem is mounted read-only (EROFS)."""
+
+
+_FIX = "or point the URL at another folder"
+_LOCAL_ERRNOS = {  # errno -> (error class, what happened, the fix)
+    errno.ENOSPC: (StorageFullError, "no space left on device", f"free space there {_FIX}"),
+    errno.EDQUOT: (StorageFullError, "disk quota exceeded", f"free space, raise the quota {_FIX}"),
+    errno.EROFS: (StorageReadOnlyError, "read-only file system", f"remount it read-write {_FIX}"),
+    errno.EACCES: (StoragePermissionError, "permission denied", f"make it writable {_FIX}"),
+    errno.EPERM: (StoragePermissionError, "permission denied (EPERM)", f"chattr -i it {_FIX}"),
+    errno.ENOTDIR: (StorageError, "a file stands where a folder goes", f"move it {_FIX}"),
+    errno.EEXIST: (StorageError, "a file stands where a folder goes", f"move it {_FIX}"),
+}
 
 
 def _s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Normalise S3 options: boto names to s3fs names, endpoint from options or AWS_ENDPOINT_URL."""
     opts = {_S3_ALIASES.get(k, k): v for k, v in options.items()}
     client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-    endpoint = opts.pop("endpoint_url", None) or client_kwargs.get("endpoint_url")
-    endpoint = (
-        endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    )
-    if endpoint:
-        client_kwargs["endpoint_url"] = endpoint
+    named = {"storage_options.endpoint_url": opts.pop("endpoint_url", None)}
+    named["storage_options.client_kwargs.endpoint_url"] = client_kwargs.get("endpoint_url")
+    named.update({v: os.environ.get(v) for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")})
+    source = next((name for name, value in named.items() if value), None)
+    if source:  # a bad endpoint fails late, deep in botocore, or (with a path) writes elsewhere
+        client_kwargs["endpoint_url"] = urls.validate_endpoint_url(named[source], source)
     if client_kwargs:
         opts["client_kwargs"] = client_kwargs
     return opts
 
 
-def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """Return `(fs, root_path)` for a local path, `file://`, `memory://` or `s3://bucket/prefix`."""
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"storage URL must be a non-empty string, got {url!r}")
-    protocol = split_protocol(url)[0] or "file"
+def open_fs(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, field: str | None = None
+) -> tuple[Any, str]:
+    """Return `(fs, root_path)` for a local path, `file://`, `memory://` or `s3://bucket/prefix`.
+
+    The URL is normalised first (`pipelines.urls.normalize_url`, without the bucket-naming rules:
+    `s3://b//p/` opens `b/p`; `..` in object keys is refused); `~` is expanded on this machine.
+    Bad forms raise `pipelines.urls.InvalidURLError` (a ValueError) naming `field` when given.
+    """
+    url = urls.normalize_url(url, field, check_bucket=False)
+    protocol = urls.scheme_of(url)
     opts = dict(storage_options or {})
-    if protocol in ("s3", "s3a"):
+    if protocol == "file":
+        url = urls.local_path(url)
+    elif protocol == "s3":
         opts = _s3_options(opts)
     try:
         fs, root = fsspec.core.url_to_fs(url, **opts)
@@ -119,7 +121,7 @@ def open_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple
     except TypeError as exc:
         raise StorageError(
             f"cannot open {url}: unknown storage option in {sorted(redact(opts))} "
-            f"({_scrub(str(exc), opts)}); fix storage_options."
+            f"({scrub(str(exc), opts)}); fix storage_options."
         ) from None
     return fs, root.rstrip("/") or root
 
@@ -144,27 +146,72 @@ def display_url(fs: Any, path: str) -> str:
     return f"{protocol}://{path}"
 
 
-def write_atomic(fs: Any, path: str, data: bytes) -> None:
+def ensure_folder(
+    fs: Any,
+    path: str,
+    url: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    field: str | None = None,
+) -> None:
+    """Make `path` a folder where folders exist (local disk, memory://); on object stores only
+    check that the bucket exists, creating nothing: a mistyped bucket is refused (naming `field`,
+    the config field to fix), never made. Full, read-only or forbidden disks raise StorageErrors.
+    """
+    url, options = url or display_url(fs, path), storage_options or fs.storage_options
+    if is_local(fs) or "memory" in fs.protocol:
+        with storage_errors(url, "create folder", options):
+            fs.makedirs(path, exist_ok=True)
+        return
+    bucket = path.strip("/").split("/", 1)[0]
+    with storage_errors(url, "check the bucket of", options):
+        if hasattr(fs, "call_s3"):  # HEAD bucket: one request, whatever the bucket holds
+            try:
+                fs.call_s3("head_bucket", Bucket=bucket)
+                found = True
+            except FileNotFoundError:
+                found = False
+            except PermissionError:  # may write but not list the bucket: the writes will tell
+                found = True
+        else:
+            found = fs.exists(bucket)
+    if not found:
+        raise StorageBucketNotFoundError(
+            f"cannot write {url}: bucket '{bucket}' does not exist, and splitstage never creates "
+            f"buckets; create it (e.g. `aws s3 mb s3://{bucket}`) or fix the bucket name in "
+            f"{field or 'the URL'}. (NoSuchBucket)"
+        )
+
+
+def write_atomic(fs: Any, path: str, data: bytes, url: str | None = None) -> None:
     """Write `data` so readers see the old object or the whole new one, never a partial file.
 
-    Local: a temp file in the same directory, fsync, then rename. Object stores and memory: one put,
-    which is atomic there.
+    Local: a temp file in the same directory, fsync, then rename; on any failure (disk full,
+    read-only, no permission) the temp file is removed. Object stores and memory: one put, which is
+    atomic there. Known failures raise `StorageError`s naming `url` (default: the path's URL).
     """
+    url = url or display_url(fs, path)
+    options = getattr(fs, "storage_options", None)
     if not is_local(fs):
-        fs.pipe_file(path, data)
+        try:
+            fs.pipe_file(path, data)
+        except Exception as exc:
+            raise_if_storage_error(exc, url, "write", options)
+            raise
         return
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(exc, Exception):
+            raise_if_storage_error(exc, url, "write", options)
         raise
 
 
@@ -186,7 +233,11 @@ def write_chains(
 
     async def run(chain: Sequence[tuple[str, bytes]]) -> None:
         for path, data in chain:
-            await fs._pipe_file(path, data)
+            try:
+                await fs._pipe_file(path, data)
+            except Exception as exc:
+                raise_if_storage_error(exc, display_url(fs, path), "write", fs.storage_options)
+                raise
 
     futures: list[concurrent.futures.Future] = []
     try:
@@ -222,52 +273,44 @@ def list_dir(fs: Any, path: str) -> list[str]:
     return sorted(e["name"] for e in entries if e.get("type") != "directory")
 
 
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, the exceptions it was raised from, and those of a DCP CheckpointException's ranks."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        cur = todo.pop(0)
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        yield cur
+        failures = getattr(cur, "failures", None)
+        if isinstance(failures, Mapping):
+            todo.extend(f[0] for f in failures.values() if isinstance(f, tuple) and f)
+        todo.extend(e for e in (cur.__cause__ or cur.__context__,) if e is not None)
+
+
 def error_code(exc: BaseException) -> str | None:
     """Return the S3 error code (e.g. 'NoSuchBucket') behind `exc`, following its cause chain."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
+    for cur in _chain(exc):
         response = getattr(cur, "response", None)
-        if isinstance(response, Mapping):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
-        cur = cur.__cause__ or cur.__context__
+        if isinstance(response, Mapping) and response.get("Error", {}).get("Code"):
+            return str(response["Error"]["Code"])
     return None
 
 
 def _type_names(exc: BaseException) -> set[str]:
     """Names of the classes of `exc` and the exceptions it was raised from."""
-    names: set[str] = set()
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        names.update(cls.__name__ for cls in type(cur).__mro__)
-        cur = cur.__cause__ or cur.__context__
-    return names
+    return {cls.__name__ for cur in _chain(exc) for cls in type(cur).__mro__}
 
 
-def _scrub(text: str, options: Mapping[str, Any] | None = None) -> str:
-    """Remove any credential value (from options or the AWS env vars) from `text`."""
-    secrets = [os.environ.get(name) for name in _SECRET_ENV]
-    stack = [options or {}]
-    while stack:
-        for name, value in stack.pop().items():
-            if isinstance(value, Mapping):
-                stack.append(value)
-            elif str(name).lower() in _SECRET_NAMES and isinstance(value, str):
-                secrets.append(value)
-    for secret in sorted({s for s in secrets if s and len(s) >= 3}, key=len, reverse=True):
-        text = text.replace(secret, MASK)
-    return text
-
-
-def _bucket(url: str) -> str:
-    """The bucket name of an s3-style URL (for messages)."""
-    rest = split_protocol(url)[1]
-    return rest.lstrip("/").split("/", 1)[0]
+def _local_errno(exc: BaseException) -> int | None:
+    """The errno of a local OS failure (disk full, read-only, ...) behind `exc`, if any."""
+    for cur in _chain(exc):
+        if isinstance(cur, StorageError):
+            return None
+        if isinstance(cur, OSError) and cur.errno in _LOCAL_ERRNOS:
+            return cur.errno
+    return None
 
 
 def translate_error(
@@ -279,8 +322,8 @@ def translate_error(
     where = f"cannot {action} {url}"
     if code == "NoSuchBucket":
         return StorageBucketNotFoundError(
-            f"{where}: bucket '{_bucket(url)}' does not exist; create it or fix the bucket name "
-            f"in the URL. (NoSuchBucket)"
+            f"{where}: bucket '{urls.bucket_of(url)}' does not exist; create it or fix the "
+            f"bucket name in the URL. (NoSuchBucket)"
         )
     if code in _CREDENTIAL_CODES:
         return StorageCredentialsError(
@@ -303,10 +346,16 @@ def translate_error(
             f"(storage_options client_kwargs.endpoint_url or AWS_ENDPOINT_URL) and that the "
             f"server is running."
         )
+    local = _local_errno(exc) if code is None else None
+    if local is not None:
+        cls, what, fix = _LOCAL_ERRNOS[local]
+        mapped = cls(f"{where}: {what}; {fix}. ({errno.errorcode[local]})")
+        mapped.errno = local
+        return mapped
     if isinstance(exc, PermissionError) and not isinstance(exc, StorageError):
         return StoragePermissionError(
             f"{where}: access refused (403); check the credentials and that they may access "
-            f"this bucket or prefix. ({_scrub(str(exc), options)})"
+            f"this bucket or prefix. ({scrub(str(exc), options)})"
         )
     return exc
 
@@ -320,7 +369,9 @@ def storage_errors(
         yield
     except StorageError:
         raise
-    except Exception as exc:
+    except BaseException as exc:  # also DCP's CheckpointException (a BaseException)
+        if not isinstance(exc, Exception) and not hasattr(exc, "failures"):
+            raise
         mapped = translate_error(exc, url, action, options)
         if mapped is exc:
             raise

@@ -5,119 +5,79 @@ Layout under `<url>/<cache_key>/`:
                                  values as one JSON blob in the safetensors metadata
   index/<shard_id>.json          written only after its shard: byte size, sha256, sample params
   manifest.json                  written by the preprocessing coordinator
+  quarantine/                    damaged index entries and shards moved aside, with the problem
 
-`shard_id` is a hash of the shard bytes, so two workers writing the same samples write the same
-names. A sample is visible only once its index entry exists. Reads check size and sha256 before
-parsing, and nothing is ever unpickled: a cache in a shared bucket cannot run code.
+`shard_id` hashes the shard bytes, so two workers writing the same samples write the same names.
+A sample is visible only once its index entry exists. Reads check size and sha256 before parsing;
+nothing is ever unpickled: a cache in a shared bucket cannot run code.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
+import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from splitstage.tasks.cache.shard_format import (
-    FORMAT_VERSION,
-    CacheCorruptError,
-    CacheStats,
-    IndexEntry,
-    SampleNotCachedError,
-    ShardInfo,
-    ShardProblem,
-    VerifyReport,
-    check_json,
-    check_name,
-    decode_shard,
-    encode_shard,
-)
-from splitstage.tasks.cache.storage import (
-    display_url,
-    join,
-    list_dir,
-    open_fs,
-    raise_if_storage_error,
-    read_many,
-    redact,
-    storage_errors,
-    write_atomic,
-    write_chains,
-)
+import splitstage.tasks.cache.shard_format as fmt
+import splitstage.tasks.cache.storage as st
+from splitstage.tasks.cache.shard_format import CacheCorruptError, SampleNotCachedError
+from splitstage.tasks.cache.storage import storage_errors, write_chains
 
 _READ_BATCH_BYTES = 256 * 2**20
+QUARANTINE, encode_shard = "quarantine", fmt.encode_shard  # (encode_shard: importable from here)
 
 
 class CacheStore:
     """The cache under `<url>/<cache_key>/`: write shards, list committed samples, read, verify."""
 
+    shard_file = staticmethod(fmt.shard_file)
+    index_file = staticmethod(fmt.index_file)
+
     def __init__(
         self, url: str, cache_key: str, storage_options: Mapping[str, Any] | None = None
     ) -> None:
-        check_name("cache key", cache_key)
+        fmt.check_name("cache key", cache_key)
         self.base_url = url.rstrip("/")
         self.cache_key = cache_key
         self.url = f"{self.base_url}/{cache_key}"
         self._options = dict(storage_options or {})
         with storage_errors(self.url, "open", self._options):
-            self.fs, root = open_fs(url, self._options)
-        self.root = join(root, cache_key)
+            self.fs, root = st.open_fs(url, self._options)
+        self.root = st.join(root, cache_key)
         self._lock = threading.Lock()
-        self._entries: dict[str, IndexEntry] | None = None
+        self._entries: dict[str, fmt.IndexEntry] | None = None
         self._owner: dict[str, str] = {}
+        self._seen: dict[str, bytes] = {}  # index entry bytes as last read, by shard id
 
     def __repr__(self) -> str:
-        return f"CacheStore(url={self.url!r}, storage_options={redact(self._options)!r})"
+        return f"CacheStore(url={self.url!r}, storage_options={st.redact(self._options)!r})"
 
-    # ---- paths and messages ---------------------------------------------------------------
     def _path(self, rel: str) -> str:
         """Absolute fs path of a file relative to the cache root."""
-        return join(self.root, rel)
+        return st.join(self.root, rel)
 
     def _url(self, path: str) -> str:
         """URL of an fs path, for messages (never contains credentials)."""
-        return display_url(self.fs, path)
-
-    @staticmethod
-    def shard_file(shard_id: str) -> str:
-        """Relative path of a shard file."""
-        return f"shards/{shard_id}.safetensors"
-
-    @staticmethod
-    def index_file(shard_id: str) -> str:
-        """Relative path of a shard's index entry."""
-        return f"index/{shard_id}.json"
+        return st.display_url(self.fs, path)
 
     # ---- writing ----------------------------------------------------------------------------
-    def _prepare(self, samples: Mapping[str, Mapping[str, Any]]) -> tuple[ShardInfo, bytes, bytes]:
-        """Encode one shard: its info, shard bytes and index-entry bytes."""
-        data, specs = encode_shard(samples)
-        digest = hashlib.sha256(data).hexdigest()
-        shard_id = digest[:32]
-        info = ShardInfo(shard_id, self.shard_file(shard_id), len(data), digest, tuple(specs))
-        entry = {
-            "format": FORMAT_VERSION,
-            "shard": info.path,
-            "bytes": info.nbytes,
-            "sha256": digest,
-            "samples": specs,
-        }
-        index = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
-        return info, data, index
-
-    def write_shard(self, samples: Mapping[str, Mapping[str, Any]]) -> ShardInfo:
+    def write_shard(self, samples: Mapping[str, Mapping[str, Any]]) -> fmt.ShardInfo:
         """Write one shard, then its index entry (the commit); idempotent for identical samples."""
         return self.write_shards([samples])[0]
 
-    def write_shards(self, shards: Iterable[Mapping[str, Mapping[str, Any]]]) -> list[ShardInfo]:
-        """Write many shards; each index entry goes out right after its own shard is written,
-        while the next shard is being encoded (uploads overlap encoding)."""
-        done: list[tuple[ShardInfo, bytes]] = []
+    def write_shards(
+        self, shards: Iterable[Mapping[str, Mapping[str, Any]]]
+    ) -> list[fmt.ShardInfo]:
+        """Write many shards, each index entry right after its shard (uploads overlap encoding)."""
+        done: list[tuple[fmt.ShardInfo, bytes]] = []
 
         def chains():
             for samples in shards:
-                info, data, index = self._prepare(samples)
+                info, data, index = fmt.prepare_shard(samples)
                 done.append((info, index))
                 index_path = self._path(self.index_file(info.shard_id))
                 yield [(self._path(info.path), data), (index_path, index)]
@@ -125,72 +85,78 @@ class CacheStore:
         with storage_errors(self.url, "write shards under", self._options):
             write_chains(self.fs, chains())
         with self._lock:
-            if self._entries is not None:
-                for info, index in done:
-                    self._add_entry(self._parse_entry(index, self.index_file(info.shard_id)))
+            for info, index in done:
+                self._seen[info.shard_id] = index
+                if self._entries is not None:
+                    self._add_entry(fmt.parse_index_entry(index, info.shard_id, info.path))
         return [info for info, _ in done]
 
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
         """Write `manifest.json` atomically (the preprocessing coordinator's record of the run)."""
-        check_json(dict(manifest), "manifest")
+        fmt.check_json(dict(manifest), "manifest")
+        fmt.check_manifest(dict(manifest), self._url(self._path("manifest.json")))
         data = json.dumps(manifest, sort_keys=True, indent=2).encode()
         with storage_errors(self.url, "write manifest under", self._options):
-            write_atomic(self.fs, self._path("manifest.json"), data)
+            st.write_atomic(self.fs, self._path("manifest.json"), data)
 
     def read_manifest(self) -> dict[str, Any] | None:
-        """Return `manifest.json`, or None when it has not been written."""
+        """Return `manifest.json`, None when not written, CacheCorruptError when not a manifest."""
         path = self._path("manifest.json")
-        (data,) = read_many(self.fs, [path])
-        if isinstance(data, FileNotFoundError):
-            raise_if_storage_error(data, self.url, "read manifest under", self._options)
-            return None
+        (data,) = st.read_many(self.fs, [path])
         if isinstance(data, BaseException):
-            raise_if_storage_error(data, self._url(path), "read", self._options)
+            st.raise_if_storage_error(data, self._url(path), "read", self._options)
+            if isinstance(data, FileNotFoundError):
+                return None
             raise data
-        try:
-            return json.loads(data)
-        except ValueError as exc:
-            raise CacheCorruptError(
-                f"manifest {self._url(path)} is not valid JSON ({exc}); rerun preprocess to "
-                f"rewrite it"
-            ) from None
+        return fmt.check_manifest(data, self._url(path))
 
     # ---- the index ----------------------------------------------------------------------------
-    def _parse_entry(self, data: bytes, rel: str) -> IndexEntry:
-        """Parse and validate one index entry; CacheCorruptError names it on any problem."""
-        where = f"index entry {self._url(self._path(rel))}"
-        fix = "delete it and rerun preprocess to rewrite that shard"
-        try:
-            raw = json.loads(data)
-        except ValueError as exc:
-            raise CacheCorruptError(f"{where} is not valid JSON ({exc}); {fix}") from None
-        if not isinstance(raw, dict):
-            raise CacheCorruptError(f"{where} is not a JSON object; {fix}")
-        version = raw.get("format")
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise CacheCorruptError(
-                f"{where} has format {version}, newer than this splitstage reads "
-                f"({FORMAT_VERSION}); upgrade splitstage"
-            )
-        fields = (
-            ("format", int),
-            ("shard", str),
-            ("bytes", int),
-            ("sha256", str),
-            ("samples", dict),
-        )
-        for name, kind in fields:
-            if not isinstance(raw.get(name), kind):
-                raise CacheCorruptError(f"{where} has a missing or bad field '{name}'; {fix}")
-        shard_id = rel.rsplit("/", 1)[-1].removesuffix(".json")
-        if raw["shard"] != self.shard_file(shard_id):
-            expected = self.shard_file(shard_id)
-            raise CacheCorruptError(
-                f"{where} names shard {raw['shard']!r}, not {expected!r}; {fix}"
-            )
-        return IndexEntry(shard_id, raw["shard"], raw["bytes"], raw["sha256"], raw["samples"])
+    def _list(self, rel: str, suffix: str | None) -> dict[str, dict[str, Any]]:
+        """ONE listing of a folder: {path: fsspec info (size, mtime)} of its `suffix` files (of
+        everything in it, folders too, when `suffix` is None); {} when there is no such folder."""
+        path = self._path(rel) if rel else self.root
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)
+        with storage_errors(self.url, "list", self._options):
+            try:
+                infos = self.fs.ls(path, detail=True)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                if st.error_code(exc) is not None:
+                    raise
+                return {}
+        keep = (i for i in infos if i.get("type") == "file" and i["name"].endswith(suffix or ""))
+        return {i["name"]: i for i in (infos if suffix is None else keep)}
 
-    def _add_entry(self, entry: IndexEntry) -> None:
+    def _read_index(self) -> tuple[list[fmt.IndexEntry], list[fmt.ShardProblem], dict[str, Any]]:
+        """List and read every index entry (one batched read): entries, bad ones, the listing."""
+        listing = self._list("index", ".json")
+        paths = sorted(listing)
+        with storage_errors(self.url, "read the index of", self._options):
+            datas = st.read_many(self.fs, paths)
+        entries: list[fmt.IndexEntry] = []
+        problems: list[fmt.ShardProblem] = []
+        for path, data in zip(paths, datas):
+            shard_id = path.rsplit("/", 1)[-1].removesuffix(".json")
+            if isinstance(data, BaseException):
+                st.raise_if_storage_error(data, self._url(path), "read", self._options)
+                if isinstance(data, FileNotFoundError):
+                    continue  # removed between listing and reading
+                raise data
+            self._seen[shard_id] = data
+            try:
+                entries.append(fmt.parse_index_entry(data, shard_id, self._url(path)))
+            except CacheCorruptError as exc:
+                problems.append(fmt.ShardProblem(self._url(path), str(exc), shard_id, (), "index"))
+        return entries, problems, listing
+
+    def _set_entries(self, entries: Iterable[fmt.IndexEntry]) -> None:
+        """Replace the cached listing."""
+        with self._lock:
+            self._entries, self._owner = {}, {}
+            for entry in sorted(entries, key=lambda e: e.shard_id):
+                self._add_entry(entry)
+
+    def _add_entry(self, entry: fmt.IndexEntry) -> None:
         """Add an entry to the cached listing; duplicates resolve to the lowest shard id."""
         assert self._entries is not None
         self._entries[entry.shard_id] = entry
@@ -199,36 +165,15 @@ class CacheStore:
             if owner is None or entry.shard_id < owner:
                 self._owner[key] = entry.shard_id
 
-    def _load_index(self, strict: bool = True) -> list[ShardProblem]:
-        """List and read every index entry in one batched read; raise or return problems."""
+    def _load_index(self) -> None:
+        """Read the index once (cached until `refresh()`); CacheCorruptError on a bad entry."""
         with self._lock:
-            if self._entries is not None and strict:
-                return []
-        index_dir = self._path("index")
-        with storage_errors(self.url, "list", self._options):
-            paths = [p for p in list_dir(self.fs, index_dir) if p.endswith(".json")]
-            datas = read_many(self.fs, paths)
-        entries: list[IndexEntry] = []
-        problems: list[ShardProblem] = []
-        for path, data in zip(paths, datas):
-            rel = "index/" + path.rsplit("/", 1)[-1]
-            if isinstance(data, FileNotFoundError):
-                raise_if_storage_error(data, self._url(path), "read", self._options)
-                continue  # removed between listing and reading
-            if isinstance(data, BaseException):
-                raise_if_storage_error(data, self._url(path), "read", self._options)
-                raise data
-            try:
-                entries.append(self._parse_entry(data, rel))
-            except CacheCorruptError as exc:
-                if strict:
-                    raise
-                problems.append(ShardProblem(self._url(path), str(exc)))
-        with self._lock:
-            self._entries, self._owner = {}, {}
-            for entry in sorted(entries, key=lambda e: e.shard_id):
-                self._add_entry(entry)
-        return problems
+            if self._entries is not None:
+                return
+        entries, problems, _ = self._read_index()
+        if problems:
+            raise CacheCorruptError(problems[0].problem)
+        self._set_entries(entries)
 
     def refresh(self) -> None:
         """Forget the cached listing so the next call re-reads the index (see other writers)."""
@@ -237,7 +182,8 @@ class CacheStore:
             self._owner = {}
 
     def committed_keys(self) -> set[str]:
-        """Sample keys with a committed index entry (listing cached until `refresh()`)."""
+        """Sample keys with a committed index entry (listing cached until `refresh()`; after
+        `check`, only those with an intact copy)."""
         self._load_index()
         with self._lock:
             return set(self._owner)
@@ -257,7 +203,7 @@ class CacheStore:
             )
         return {k: owner[k] for k in keys}
 
-    def _entry(self, shard_id: str) -> IndexEntry:
+    def _entry(self, shard_id: str) -> fmt.IndexEntry:
         """The index entry of a shard; raise when the shard is not committed."""
         self._load_index()
         with self._lock:
@@ -269,52 +215,34 @@ class CacheStore:
         return entry
 
     # ---- reading ----------------------------------------------------------------------------
-    def _check_bytes(self, entry: IndexEntry, data: bytes | BaseException) -> bytes:
-        """Return shard bytes after checking them against the index; raise CacheCorruptError."""
-        path = self._path(entry.shard)
-        where = f"shard file {self._url(path)}"
-        fix = f"delete it and {self.index_file(entry.shard_id)}, then rerun preprocess"
-        if isinstance(data, FileNotFoundError):
-            raise_if_storage_error(data, self._url(path), "read", self._options)
-            raise CacheCorruptError(
-                f"{where} is missing but its index entry exists; delete "
-                f"{self.index_file(entry.shard_id)} and rerun preprocess"
-            )
+    def _verified(self, entry: fmt.IndexEntry, data: bytes | BaseException) -> dict[str, Any]:
+        """Check shard bytes against the index (size, sha256) and parse them (tensors as the
+        index lists); CacheCorruptError naming the shard and the fix."""
+        url = self._url(self._path(entry.shard))
         if isinstance(data, BaseException):
-            raise_if_storage_error(data, self._url(path), "read", self._options)
-            raise data
-        if len(data) != entry.nbytes:
-            raise CacheCorruptError(
-                f"{where} has the wrong size: the index says {entry.nbytes} bytes, the file has "
-                f"{len(data)} (truncated or overwritten); {fix}"
-            )
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry.sha256:
-            raise CacheCorruptError(
-                f"{where} fails its checksum: sha256 is {digest[:16]}..., the index says "
-                f"{entry.sha256[:16]}... (bytes changed in storage); {fix}"
-            )
-        return data
-
-    def _decode(self, entry: IndexEntry, data: bytes) -> dict[str, dict[str, Any]]:
-        """Parse verified bytes; a parse failure still names the shard."""
+            st.raise_if_storage_error(data, url, "read", self._options)
+            if not isinstance(data, FileNotFoundError):
+                raise data
+        got = None if isinstance(data, BaseException) else data
+        found = fmt.shard_problem(entry, None if got is None else len(got), got, url)
+        if found:
+            raise CacheCorruptError(found[1])
         try:
-            return decode_shard(data, entry)
+            return fmt.decode_shard(data, entry)
         except Exception as exc:
             raise CacheCorruptError(
-                f"shard file {self._url(self._path(entry.shard))} matches its checksum but does "
-                f"not parse ({type(exc).__name__}: {exc}); delete it and its index entry, then "
-                f"rerun preprocess"
+                f"shard file {url} matches its checksum but does not parse or disagrees with its "
+                f"index entry ({type(exc).__name__}: {exc}); {fmt.repair_hint(entry)}"
             ) from None
 
     def read_shards(self, shard_ids: Iterable[str]) -> dict[str, dict[str, dict[str, Any]]]:
         """Read and verify many shards in batched requests: {shard_id: {sample_key: params}}."""
         entries = [self._entry(s) for s in dict.fromkeys(shard_ids)]
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for group in _byte_groups(entries, _READ_BATCH_BYTES):
-            datas = read_many(self.fs, [self._path(e.shard) for e in group])
+        for group in fmt.byte_groups(entries, _READ_BATCH_BYTES):
+            datas = st.read_many(self.fs, [self._path(e.shard) for e in group])
             for entry, data in zip(group, datas):
-                out[entry.shard_id] = self._decode(entry, self._check_bytes(entry, data))
+                out[entry.shard_id] = self._verified(entry, data)
         return out
 
     def read_shard(self, shard_id: str) -> dict[str, dict[str, Any]]:
@@ -327,61 +255,145 @@ class CacheStore:
         shards = self.read_shards(sorted(set(owners.values())))
         return {key: shards[shard][key] for key, shard in owners.items()}
 
-    # ---- checks -----------------------------------------------------------------------------
-    def verify(self) -> VerifyReport:
-        """Check every shard against its index (size, sha256, parse) and report damaged ones."""
-        report = VerifyReport(self.url)
-        report.damaged.extend(self._load_index(strict=False))
-        with self._lock:
-            entries = sorted((self._entries or {}).values(), key=lambda e: e.shard_id)
-        for group in _byte_groups(entries, _READ_BATCH_BYTES):
-            datas = read_many(self.fs, [self._path(e.shard) for e in group])
+    # ---- checks and repair ------------------------------------------------------------------
+    def check(
+        self,
+        checksums: str = "changed",
+        *,
+        keys: Collection[str] | None = None,
+        params: Collection[str] | None = None,
+        touch: bool = False,
+    ) -> fmt.VerifyReport:
+        """Check the index against ONE listing of `shards/`: entries parse, shards exist with the
+        size named, samples hold exactly `params` (if given); re-read shards (sha256, parse): all,
+        those "changed" after their index entry, or "none"; given `keys`, only entries listing one.
+        Damaged entries leave the listing, nothing moves; `touch` re-commits changed-but-good."""
+        if checksums not in ("all", "changed", "none"):
+            raise ValueError(f"checksums must be 'all', 'changed' or 'none', not {checksums!r}")
+        report = fmt.VerifyReport(self.url, checksums=checksums)
+        entries, report.damaged, index_info = self._read_index()
+        shard_info = self._list("shards", ".safetensors")
+        wanted = None if keys is None else set(keys)
+        intact, reread, changed = [], [], set()
+        for entry in entries:
+            info = shard_info.get(self._path(entry.shard))
+            index_path = self._path(self.index_file(entry.shard_id))
+            size = None if info is None else info.get("size", entry.nbytes)
+            found = fmt.shard_problem(entry, size, None, self._url(self._path(entry.shard)))
+            found = found or fmt.params_problem(entry, params, self._url(index_path))
+            if found:
+                report.damaged.append(self._problem(entry, *found))
+                continue
+            newer = fmt.newer(info, index_info.get(index_path))
+            relevant = wanted is None or not wanted.isdisjoint(entry.samples)
+            if relevant and (checksums == "all" or (checksums == "changed" and newer)):
+                reread.append(entry)
+                changed.update([entry.shard_id] if newer else [])
+            else:
+                intact.append(entry)
+        for group in fmt.byte_groups(reread, _READ_BATCH_BYTES):
+            datas = st.read_many(self.fs, [self._path(e.shard) for e in group])
             for entry, data in zip(group, datas):
-                report.shards_checked += 1
-                report.samples += len(entry.samples)
                 try:
-                    self._decode(entry, self._check_bytes(entry, data))
-                    report.bytes_checked += entry.nbytes
+                    self._verified(entry, data)
                 except CacheCorruptError as exc:
-                    report.damaged.append(
-                        ShardProblem(self._url(self._path(entry.shard)), str(exc))
-                    )
-        with storage_errors(self.url, "list", self._options):
-            shard_paths = list_dir(self.fs, self._path("shards"))
-        committed = {self._path(e.shard) for e in entries}
-        report.orphans = [
-            self._url(p) for p in shard_paths if p.endswith(".safetensors") and p not in committed
-        ]
+                    report.damaged.append(self._problem(entry, "content", str(exc)))
+                    continue
+                report.bytes_checked += entry.nbytes
+                intact.append(entry)
+                if touch and entry.shard_id in changed:
+                    path = self._path(self.index_file(entry.shard_id))
+                    with storage_errors(self.url, "rewrite an index entry under", self._options):
+                        st.write_atomic(self.fs, path, self._seen[entry.shard_id])
+        self._set_entries(intact)
+        owned = self.committed_keys()
+        report.shards_checked, report.samples = len(entries), len(owned)
+        report.lost = sorted({k for p in report.damaged for k in p.samples} - owned)
+        named = {self._path(e.shard) for e in entries}
+        named |= {self._path(self.shard_file(p.shard_id)) for p in report.damaged}
+        report.orphans = [self._url(p) for p in sorted(shard_info) if p not in named]
         return report
 
-    def stats(self) -> CacheStats:
+    def _problem(self, entry: fmt.IndexEntry, kind: str, text: str) -> fmt.ShardProblem:
+        path = self._url(self._path(entry.shard))
+        return fmt.ShardProblem(path, text, entry.shard_id, tuple(sorted(entry.samples)), kind)
+
+    def verify(self, params: Collection[str] | None = None) -> fmt.VerifyReport:
+        """Re-read every shard (size, sha256, parse, tensors as the index lists them), check the
+        params when given, and compare with the manifest when there is one. Moves nothing."""
+        report = self.check("all", params=params)
+        try:
+            manifest = self.read_manifest()
+        except CacheCorruptError as exc:
+            path = self._url(self._path("manifest.json"))
+            report.damaged.append(fmt.ShardProblem(path, str(exc), kind="manifest"))
+            return report
+        if manifest is not None and "samples" in manifest:
+            report.manifest_samples = len(manifest["samples"])
+            report.missing = sorted(set(manifest["samples"]) - self.committed_keys())
+        return report
+
+    def quarantine(self, problems: Iterable[fmt.ShardProblem]) -> list[str]:
+        """Move damaged index entries, then their shard files, to `quarantine/` (with
+        `<id>.problem.txt` saying why): no reader sees them again, the next preprocess recomputes
+        them. Entries repaired since the check are left alone. Returns the index entries moved."""
+        moved = []
+        for problem in (p for p in problems if p.shard_id):  # not the manifest: preprocess rewrites
+            rel = self.index_file(problem.shard_id)
+            (data,) = st.read_many(self.fs, [self._path(rel)])
+            if data != self._seen.get(problem.shard_id) or self._healed(problem, data):
+                continue  # gone, rewritten or repaired since the check
+            if self._move_aside(rel):
+                self._move_aside(self.shard_file(problem.shard_id))
+                note = self._path(f"{QUARANTINE}/{problem.shard_id}.problem.txt")
+                with storage_errors(self.url, "write under", self._options):
+                    st.write_atomic(self.fs, note, f"{problem.problem}\n".encode())
+                moved.append(self._url(self._path(rel)))
+        return moved
+
+    def _healed(self, problem: fmt.ShardProblem, data: bytes) -> bool:
+        """True when a damaged shard now verifies (another writer rewrote it since the check)."""
+        if problem.kind in ("index", "params"):
+            return False
+        entry = fmt.parse_index_entry(data, problem.shard_id, problem.path)
+        try:
+            self._verified(entry, st.read_many(self.fs, [self._path(entry.shard)])[0])
+        except CacheCorruptError:
+            return False
+        return True
+
+    def _move_aside(self, rel: str) -> bool:
+        """Move one cache file into `quarantine/`; False when it is not there."""
+        dst = self._path(f"{QUARANTINE}/{rel.rsplit('/', 1)[-1]}")
+        with storage_errors(self.url, "move a damaged file under", self._options):
+            if st.is_local(self.fs):
+                self.fs.makedirs(self._path(QUARANTINE), exist_ok=True)
+            try:
+                self.fs.mv(self._path(rel), dst)
+            except FileNotFoundError:
+                return False
+        return True
+
+    def require(self, fix: str) -> None:
+        """Raise CacheNotFoundError, one line naming the URL and `fix`, unless this cache's
+        folder exists (on object storage: holds any object); bucket errors name the bucket."""
+        no_base = st.is_local(self.fs) and not os.path.isdir(self.root[: -len(self.cache_key) - 1])
+        if no_base or not self._list("", None):
+            why = (
+                f"the folder cache.url = {self.base_url} does not exist (check cache.url)"
+                if no_base
+                else "nothing was written under this cache key (new stage-1 models, V2, settings?)"
+            )
+            raise fmt.CacheNotFoundError(f"cache {self.url} holds no samples: {why}; {fix}")
+
+    def stats(self) -> fmt.CacheStats:
         """Samples, shards, shard bytes and duplicated sample keys, from the index alone."""
         self._load_index()
         with self._lock:
             entries = list((self._entries or {}).values())
             owner = dict(self._owner)
-        counts: dict[str, int] = {}
-        for entry in entries:
-            for key in entry.samples:
-                counts[key] = counts.get(key, 0) + 1
+        counts = Counter(k for e in entries for k in e.samples)
         dups = sorted(k for k, n in counts.items() if n > 1)
-        return CacheStats(
-            samples=len(owner),
-            shards=len(entries),
-            bytes=sum(e.nbytes for e in entries),
-            duplicates=len(dups),
-            duplicate_keys=dups,
+        return fmt.CacheStats(
+            len(owner), len(entries), sum(e.nbytes for e in entries), len(dups), dups
         )
-
-
-def _byte_groups(entries: list[IndexEntry], limit: int) -> list[list[IndexEntry]]:
-    """Split entries into consecutive groups of at most `limit` shard bytes (at least one each)."""
-    groups: list[list[IndexEntry]] = []
-    size = 0
-    for entry in entries:
-        if not groups or size + entry.nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += entry.nbytes
-    return groups

@@ -16,16 +16,24 @@ from splitstage.tasks.data_index import index_data_set
 class CachedBatches:
     """Batches of boundary params read from the stage-1 cache with background prefetch."""
 
-    def __init__(self, config: SplitstageConfig, store: CacheStore, rank: int, world_size: int):
-        manifest = store.read_manifest()
-        keys = manifest["samples"] if manifest else None
+    def __init__(
+        self,
+        config: SplitstageConfig,
+        store: CacheStore,
+        rank: int,
+        world_size: int,
+        keys: list[str] | None = None,
+    ):
+        if keys is None:  # the samples of the last whole preprocess run
+            manifest = store.read_manifest()
+            keys = manifest.get("samples") if manifest else None
         self.dataset = CacheDataset(store, keys)
         self.config = config
         self.rank, self.world_size = rank, world_size
 
-    def steps_per_epoch(self) -> int:
-        """Full batches per epoch on each rank (the same on every rank)."""
-        per_rank = len(self.dataset) // self.world_size
+    def steps_per_epoch(self, offset: int = 0) -> int:
+        """Full batches per rank in an epoch after `offset` samples (the same on every rank)."""
+        per_rank = max(0, len(self.dataset) - offset) // self.world_size
         return per_rank // self.config.train.batch_size
 
     @property
@@ -33,8 +41,8 @@ class CachedBatches:
         """Seconds the training loop waited for the cache."""
         return self.dataset.stall_seconds
 
-    def iterate(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, Any]]:
-        """This rank's batches of `epoch` from `start_batch` on."""
+    def iterate(self, epoch: int, offset: int = 0) -> Iterator[dict[str, Any]]:
+        """This rank's batches of `epoch` after the first `offset` samples (all ranks')."""
         batches = self.dataset.iterate(
             epoch,
             self.config.job.seed,
@@ -42,10 +50,10 @@ class CachedBatches:
             self.world_size,
             self.config.train.batch_size,
             prefetch=self.config.train.prefetch,
-            start_batch=start_batch,
+            offset=offset,
         )
-        for index, batch in enumerate(batches, start=start_batch):
-            if index >= self.steps_per_epoch():
+        for index, batch in enumerate(batches):
+            if index >= self.steps_per_epoch(offset):
                 break
             yield batch
 
@@ -61,16 +69,17 @@ class RawBatches:
         self.rows = dict(zip(data.keys, data.rows))
         self.stall_seconds = 0.0
 
-    def steps_per_epoch(self) -> int:
-        """Full batches per epoch on each rank (the same on every rank)."""
-        return len(self.rows) // self.world_size // self.config.train.batch_size
+    def steps_per_epoch(self, offset: int = 0) -> int:
+        """Full batches per rank in an epoch after `offset` samples (the same on every rank)."""
+        per_rank = max(0, len(self.rows) - offset) // self.world_size
+        return per_rank // self.config.train.batch_size
 
-    def iterate(self, epoch: int, start_batch: int = 0) -> Iterator[dict[str, Any]]:
-        """This rank's batches of `epoch`, in the same order the cache would give."""
+    def iterate(self, epoch: int, offset: int = 0) -> Iterator[dict[str, Any]]:
+        """This rank's batches of `epoch` after `offset` samples, in the cache's order."""
         seed = self.config.job.seed
-        order = epoch_order(list(self.rows), epoch, seed, self.rank, self.world_size)
+        order = epoch_order(list(self.rows), epoch, seed, self.rank, self.world_size, offset)
         size = self.config.train.batch_size
-        for index in range(start_batch, self.steps_per_epoch()):
+        for index in range(self.steps_per_epoch(offset)):
             keys = order[index * size : (index + 1) * size]
             base = self.config.data.base_path
             samples = [self.family.load_sample(self.rows[k], base) for k in keys]

@@ -33,7 +33,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from splitstage.splitter import UserError
-from splitstage.tasks.cache.storage import join, open_fs, storage_errors, write_atomic
+from splitstage.tasks.cache.storage import (
+    ensure_folder,
+    join,
+    open_fs,
+    storage_errors,
+    write_atomic,
+)
 from splitstage.tasks.stage2.checkpoint_extra import (
     FORMAT,
     pack_extra,
@@ -216,6 +222,9 @@ def save_checkpoint(
     with storage_errors(ckpt_url, "write checkpoint", storage_options):
         _on_all_ranks(lambda: _rank() == 0 and fs.exists(path) and _remove(fs, path), ckpt_url)
         state = _state(model, _as_list(optimizers), lora_only)
+        # DCP's writer makedirs the folder, which on s3fs creates a missing bucket: check first
+        field = "train.checkpoint_url (default: under output.url)"
+        ensure_folder(fs, path, ckpt_url, storage_options, field=field)
         writer = FsspecWriter(ckpt_url, **dict(storage_options or {}))
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer)  # DCP raises on every rank if one fails
@@ -324,3 +333,14 @@ def load_checkpoint(
                     _world(),
                 )
     return extra
+
+
+def read_extra_state(
+    url: str, step: int, *, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The extra_state of checkpoint `step` alone (no model, no process group): for checks
+    before launch."""
+    fs, root = open_fs(url, storage_options)
+    path = join(root, step_dir(step))
+    with storage_errors(f"{url.rstrip('/')}/{step_dir(step)}", "read checkpoint", storage_options):
+        return unpack_extra(fs.cat_file(join(path, EXTRA)))

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.family import Family
-from splitstage.tasks.cache.storage import join, write_atomic
+from splitstage.tasks.cache.storage import ensure_folder, join, write_atomic
 from splitstage.tasks.outputs import open_output
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
 
@@ -47,7 +47,7 @@ def export_weights(
         return {}
     url = spec["output_url"]
     fs, root = open_output(config, url)
-    fs.makedirs(root, exist_ok=True)
+    ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
     written = {}
     for name, state in states.items():
         tensors = {

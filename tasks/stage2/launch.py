@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -10,17 +11,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.tasks.outputs import output_storage_options, run_paths
-from splitstage.tasks.plan import JobPlan, make_plan
-from splitstage.tasks.stage2.models import parallel_mode
-from splitstage.tasks.stage2.pp_trainer import check_pp_config
-from splitstage.tasks.stage2.torchrun import TorchrunSpec, run_torchrun
-from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
+from splitstage.pipelines.config import ConfigError, SplitstageConfig, check_path_segment
+from splitstage.splitter import UserError
+from splitstage.tasks.outputs import ERROR_FILE, output_storage_options, run_paths
+from splitstage.tasks.plan import make_plan
+from splitstage.tasks.stage2.lease import RunLease
+from splitstage.tasks.stage2.preflight import Preflight, preflight
+from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 
 WORKER_MODULE = "splitstage.tasks.stage2.worker"
+LEASE_TTL_S = float(os.environ.get("SPLITSTAGE_LEASE_TTL", "60"))  # a dead holder blocks this long
 
 
 @dataclass
@@ -64,9 +64,14 @@ def write_spec(
     cache_key: str | None,
     run_dir: Path,
     paths: dict[str, str],
+    checks: Preflight | None = None,
 ) -> Path:
-    """The JSON every rank reads (no pickle): config, cache key, where to write."""
+    """The JSON every rank reads (no pickle): config, cache key, where to write, what to train."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    samples_file = None
+    if checks is not None and checks.samples is not None:
+        samples_file = str((run_dir / "samples.json").resolve())
+        Path(samples_file).write_text(json.dumps(checks.samples))
     spec = {
         "config": config.model_dump(mode="json"),
         "cache_key": cache_key,
@@ -76,6 +81,8 @@ def write_spec(
         # Checkpoints and outputs on object storage use the cache's endpoint options;
         # credentials come from the environment, never from the spec.
         "checkpoint_storage_options": output_storage_options(config, paths["checkpoint_url"]),
+        "settings": checks.settings if checks is not None else None,
+        "samples_file": samples_file,
     }
     path = run_dir / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -105,25 +112,28 @@ def torchrun_spec(
     )
 
 
-def check_before_launch(config: SplitstageConfig, plan: JobPlan) -> None:
-    """Refuse configs that would fail inside every rank: bad mesh, missing weights files."""
-    world = config.train.nnodes * config.train.nproc_per_node
-    if config.train.parallelism == "pp":
-        check_pp_config(config)
-    else:
-        parallel_mode(config, world)
-    family = plan.family
-    unsplit = config.train.mode == "unsplit"
-    names = list(family.model_names) if unsplit else plan.split.models["stage2"]
-    family.check_models(names)
-    for name in names:
-        weights = family.weights_file(name)
-        if weights and weights[0].endswith(".safetensors"):
-            meta_model = family.build_model(name, torch.device("meta"), meta=True)
-            try:
-                check_weights_file(meta_model, weights[0], weights[1])
-            except WeightsError as error:
-                raise ConfigError(f"models.{name}.weights: {error}") from None
+def scratch_root(config: SplitstageConfig) -> Path:
+    """Where runs keep their spec, metrics and result: `train.scratch_dir`, else beside the
+    outputs when those are local, else ./runs/train."""
+    if config.train.scratch_dir:
+        return Path(config.train.scratch_dir)
+    url = config.output.url
+    if "://" not in url or url.startswith("file://"):
+        return Path(url.removeprefix("file://"))
+    return Path("runs/train")
+
+
+class TrainingStoppedError(UserError, RuntimeError):
+    """A training rank refused to go on (a diverged loss, a config the checkpoint cannot take)."""
+
+
+def rank_error(run_dir: Path) -> str | None:
+    """The one-line reason a rank wrote before exiting on bad input, if any."""
+    path = run_dir / ERROR_FILE
+    try:
+        return json.loads(path.read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def train(
@@ -131,35 +141,87 @@ def train(
     *,
     run_id: str | None = None,
     node_rank: int = 0,
-    run_root: str | Path = "runs/train",
+    run_root: str | Path | None = None,
     env: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     timeout: float | None = None,
 ) -> TrainReport:
     """Run stage 2 under torchrun to the end (resuming from the latest checkpoint) and report."""
-    run_id = run_id or config.job.name
+    run_id = check_run_id(run_id or config.job.name)
+    if not 0 <= node_rank < config.train.nnodes:
+        raise ConfigError(
+            f"--node-rank {node_rank}: the job has train.nnodes={config.train.nnodes} nodes, "
+            f"so the node rank is 0..{config.train.nnodes - 1}"
+        )
+    say = on_line or print
     plan = make_plan(config)
-    check_before_launch(config, plan)
+    paths = run_paths(config, run_id, run_root or scratch_root(config))
+    checks = preflight(config, plan, paths)
+    for warning in checks.warnings:
+        say(f"warning: {warning}")
     cache_key = None if config.train.mode == "unsplit" else plan.cache_key
-    paths = run_paths(config, run_id, run_root)
     run_dir = Path(paths["run_dir"])
-    spec_path = write_spec(config, run_id, cache_key, run_dir, paths)
-    metrics = run_dir / "metrics.jsonl"
+    cancel = cancel or threading.Event()
+    with contextlib.ExitStack() as held:
+        leases = [] if node_rank else hold_leases(config, paths, cancel, held)
+        spec_path = write_spec(config, run_id, cache_key, run_dir, paths, checks)
+        for name in ("metrics.jsonl", "result.json", ERROR_FILE):
+            (run_dir / name).unlink(missing_ok=True)
+        try:
+            run_torchrun(
+                torchrun_spec(config, spec_path, node_rank, env),
+                timeout=timeout,
+                on_line=say,
+                cancel=cancel,
+                check=True,
+            )
+        except TorchrunError:
+            lost = next((lease.lost for lease in leases if lease.lost), None)
+            if lost:
+                message = f"training stopped: the run's lease was lost ({lost})"
+                raise TrainingStoppedError(message) from None
+            reason = rank_error(run_dir)
+            if reason is None:
+                raise
+            raise TrainingStoppedError(f"training stopped: {reason}") from None
     result_file = run_dir / "result.json"
-    result_file.unlink(missing_ok=True)
-    metrics.unlink(missing_ok=True)
-    run_torchrun(
-        torchrun_spec(config, spec_path, node_rank, env),
-        timeout=timeout,
-        on_line=on_line or print,
-        cancel=cancel,
-        check=True,
-    )
     figures = json.loads(result_file.read_text()) if result_file.is_file() else {}
     return TrainReport(
         run_id=run_id, run_dir=str(run_dir), **paths_without_run_dir(paths), **figures
     )
+
+
+def hold_leases(
+    config: SplitstageConfig, paths: dict[str, str], cancel: threading.Event, held
+) -> list[RunLease]:
+    """Hold the run (its output folder, and a checkpoint URL outside it) against a second
+    `train` of the same run; losing the lease cancels this one."""
+    urls = [paths["output_url"]]
+    checkpoints = paths["checkpoint_url"]
+    if not checkpoints.startswith(paths["output_url"].rstrip("/") + "/"):
+        urls.append(checkpoints)
+    return [
+        held.enter_context(
+            RunLease(
+                url,
+                output_storage_options(config, url),
+                ttl=LEASE_TTL_S,
+                on_lost=lambda reason: cancel.set(),
+            )
+        )
+        for url in urls
+    ]
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id is one or more folder names under output.url, none of which may escape it."""
+    for segment in run_id.split("/"):
+        try:
+            check_path_segment(segment)
+        except ValueError as error:
+            raise ConfigError(f"run id {run_id!r}: {error}") from None
+    return run_id
 
 
 def paths_without_run_dir(paths: dict[str, str]) -> dict[str, str]:

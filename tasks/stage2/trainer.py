@@ -7,6 +7,7 @@ pipeline schedule. Started by torchrun through `splitstage.tasks.stage2.worker`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import signal
@@ -20,6 +21,7 @@ from accelerate import Accelerator
 
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.pipelines.runtime import StepContext, run_units
+from splitstage.splitter import UserError
 from splitstage.tasks.device import pick_dtype
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches
@@ -29,10 +31,35 @@ from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
 
 
+class TrainingDivergedError(UserError, FloatingPointError):
+    """The loss became NaN or infinite: training stops, nothing non-finite is saved."""
+
+
+def read_samples(path: str | None) -> list[str] | None:
+    """The sample keys a launcher chose to train on (None: the cache's manifest)."""
+    return None if path is None else json.loads(Path(path).read_text())
+
+
+def require_finite(params: list[torch.nn.Parameter], device: torch.device) -> None:
+    """Refuse to export weights with a NaN or infinite value (collective across ranks)."""
+    bad = torch.zeros((), device=device)
+    for param in params:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if not torch.isfinite(local).all():
+            bad += 1
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    if bad.item():
+        raise TrainingDivergedError(
+            "the trained weights hold NaN or infinite values: nothing was exported; lower "
+            "train.learning_rate or check the data"
+        )
+
+
 def step_generator(seed: int, rank: int, batch_index: int, device: torch.device) -> torch.Generator:
     """Per-step randomness (noise, timesteps, dropout) from (seed, rank, batch): resumable."""
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + batch_index)
+    generator.manual_seed(((seed * 1_000_003 + rank) * 1_000_033 + batch_index) % 2**63)
     return generator
 
 
@@ -99,6 +126,7 @@ class Trainer:
                 open_cache(self.config, self.plan, spec.get("cache_key")),
                 self.stage2.dp_rank,
                 self.stage2.dp_size,
+                keys=read_samples(spec.get("samples_file")),
             )
         )
         params = self.stage2.parameters()
@@ -115,15 +143,18 @@ class Trainer:
         )
         self.prepared_optimizer = self.accelerator.prepare(self.optimizer)
         steps_per_epoch = self.source.steps_per_epoch()
-        if steps_per_epoch < train.gradient_accumulation_steps:
-            raise ValueError(
+        if steps_per_epoch < train.gradient_accumulation_steps:  # preflight refuses this first
+            raise ConfigError(
                 f"{steps_per_epoch} batches per rank per epoch (train.batch_size="
                 f"{train.batch_size}, {self.stage2.dp_size} data-parallel replicas) is fewer than "
                 f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}"
             )
         self.updates_per_epoch = steps_per_epoch // train.gradient_accumulation_steps
-        total = self.updates_per_epoch * train.epochs
-        self.total_updates = min(total, train.max_steps) if train.max_steps else total
+        # Samples all data-parallel replicas consume per update: the epoch position advances by it.
+        self.samples_per_update = (
+            train.gradient_accumulation_steps * train.batch_size * self.stage2.dp_size
+        )
+        self.total_updates = self.planned_updates(0, 0, 0)
         self.checkpoint_url = spec["checkpoint_url"]
         self.run_dir = Path(spec["run_dir"])
         self.losses: list[float] = []
@@ -162,7 +193,17 @@ class Trainer:
         return float(value)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, update: int) -> None:
+    def planned_updates(self, update: int, epoch: int, offset: int) -> int:
+        """The update this run ends at, from a position (train.max_steps caps train.epochs)."""
+        accum = self.config.train.gradient_accumulation_steps
+        left = (
+            self.source.steps_per_epoch(offset) // accum if epoch < self.config.train.epochs else 0
+        )
+        later = max(0, self.config.train.epochs - epoch - 1) * self.updates_per_epoch
+        total = update + left + later
+        return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
+
+    def save(self, update: int, epoch: int, offset: int) -> None:
         """Checkpoint model, optimizer, scheduler and data position (collective)."""
         model = self.stage2.models[self.stage2.trained[0]]
         save_checkpoint(
@@ -170,26 +211,53 @@ class Trainer:
             update,
             model,
             [self.optimizer],
-            {"scheduler": self.scheduler.state_dict(), "update": update, "losses": self.losses},
+            {
+                "scheduler": self.scheduler.state_dict(),
+                "update": update,
+                "epoch": epoch,
+                "offset": offset,
+                "losses": self.losses,
+                "settings": self.spec.get("settings"),
+            },
             keep_last=self.config.train.keep_checkpoints,
             lora_only=self.stage2.lora,
             storage_options=self.spec.get("checkpoint_storage_options"),
         )
 
-    def resume(self) -> int:
-        """Load the latest complete checkpoint, if any; return the update to continue from."""
+    def resume(self) -> tuple[int, int, int]:
+        """Load the latest complete checkpoint, if any; return the position to continue from:
+        (update, epoch, samples of the epoch consumed by all replicas)."""
         options = self.spec.get("checkpoint_storage_options")
         step = latest_checkpoint(self.checkpoint_url, storage_options=options)
         if step is None:
-            return 0
+            return 0, 0, 0
         model = self.stage2.models[self.stage2.trained[0]]
         extra = load_checkpoint(
             self.checkpoint_url, step, model, [self.optimizer], storage_options=options
         )
         self.scheduler.load_state_dict(extra["scheduler"])
+        self.apply_optimizer_settings()
         self.losses = list(extra.get("losses", []))
         self.log(f"resumed from checkpoint step {step}")
-        return int(extra["update"])
+        update = int(extra["update"])
+        if "offset" in extra:
+            return update, int(extra["epoch"]), int(extra["offset"])
+        epoch, in_epoch = divmod(update, self.updates_per_epoch)  # written before offsets
+        return update, epoch, in_epoch * self.samples_per_update
+
+    def apply_optimizer_settings(self) -> None:
+        """After a resume, the config's learning rate, weight decay and warmup hold from here on
+        (the checkpoint's would otherwise stay silently; preflight said what changed)."""
+        train = self.config.train
+        self.scheduler.base_lrs = [train.learning_rate for _ in self.optimizer.param_groups]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group.update(
+                initial_lr=train.learning_rate,
+                lr=train.learning_rate * factor,
+                weight_decay=train.weight_decay,
+            )
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     # -- the loop ---------------------------------------------------------------------------------
     def log(self, line: str) -> None:
@@ -211,19 +279,20 @@ class Trainer:
         """Train from the latest checkpoint to the end, then export the weights (rank 0)."""
         train = self.config.train
         accum = train.gradient_accumulation_steps
-        update = self.resume()
+        update, epoch, offset = self.resume()
+        self.total_updates = self.planned_updates(update, epoch, offset)
         started = time.perf_counter()
-        if len(self.trained_models()) > 1:
-            raise ValueError("training more than one model at once is not supported yet")
         for model in self.trained_models():
             model.train()
         while update < self.total_updates:
-            epoch, in_epoch = divmod(update, self.updates_per_epoch)
-            batches = self.source.iterate(epoch, start_batch=in_epoch * accum)
-            for micro, batch in enumerate(batches, start=in_epoch * accum):
+            left = self.source.steps_per_epoch(offset) // accum  # updates left in this epoch
+            if left == 0:
+                epoch, offset = epoch + 1, 0
+                continue
+            for micro, batch in enumerate(self.source.iterate(epoch, offset)):
                 if micro % accum == 0:
                     t0 = time.perf_counter()
-                batch_index = epoch * self.updates_per_epoch * accum + micro
+                batch_index = update * accum + micro % accum
                 model = self.trained_models()[0]
                 with self.accelerator.accumulate(model):
                     loss = self.micro_step(batch, batch_index)
@@ -233,19 +302,25 @@ class Trainer:
                     continue
                 self.scheduler.step()
                 update += 1
+                this_epoch, offset = epoch, offset + self.samples_per_update
+                epoch_done = (micro + 1) // accum >= left
+                if epoch_done:
+                    epoch, offset = epoch + 1, 0
                 if self.fault and self.fault[:2] == (self.dist.rank, update):
                     crash(whole_node=self.fault[2])
                 seconds = time.perf_counter() - t0
                 mean = self.mean_across_ranks(loss)
+                if not math.isfinite(mean):
+                    raise TrainingDivergedError(self.diverged(update, mean))
                 self.record(update, mean, seconds)
                 if update % train.log_every == 0 or update == self.total_updates:
                     self.log(
-                        f"update {update}/{self.total_updates} epoch {epoch} loss {mean:.5f} "
+                        f"update {update}/{self.total_updates} epoch {this_epoch} loss {mean:.5f} "
                         f"{seconds:.3f}s/update"
                     )
                 if update % train.checkpoint_every == 0 or update == self.total_updates:
-                    self.save(update)
-                if update >= self.total_updates or (micro + 1) // accum >= self.updates_per_epoch:
+                    self.save(update, epoch, offset)
+                if update >= self.total_updates or epoch_done:
                     break
         elapsed = time.perf_counter() - started
         outputs = self.export()
@@ -267,8 +342,24 @@ class Trainer:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         return result
 
+    def diverged(self, update: int, loss: float) -> str:
+        """The one line saying the run diverged, where, and what to do."""
+        lr = self.scheduler.get_last_lr()[0]
+        last = latest_checkpoint(
+            self.checkpoint_url,
+            storage_options=self.spec.get("checkpoint_storage_options"),
+            clean=False,
+        )
+        kept = f"the last checkpoint is step {last}" if last else "no checkpoint was written"
+        return (
+            f"update {update}: the loss is {loss} (learning rate {lr:g}); stopped before it "
+            f"could be checkpointed or exported ({kept}); lower train.learning_rate, or check "
+            "the data and train.mixed_precision"
+        )
+
     def export(self) -> dict[str, str]:
         """Write the trained weights (collective); rank 0 gets their URLs."""
+        require_finite(self.stage2.parameters(), self.dist.device)
         return export_weights(self.config, self.family, self.stage2, self.spec)
 
     def trained_models(self) -> list[torch.nn.Module]:

@@ -1,17 +1,36 @@
 """Stage 2 entry point under torchrun: read the run spec, pick the trainer, train, leave the group.
 
-torchrun --nproc-per-node N -m splitstage.tasks.stage2.worker RUN_DIR/spec.json
+    torchrun --nproc-per-node N -m splitstage.tasks.stage2.worker RUN_DIR/spec.json
+
+A rank that stops on bad input (a `UserError`: a diverged loss, a cache it cannot read) writes
+its one-line reason to RUN_DIR/error.json and exits with 2; the launcher reports that line.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
+from splitstage.splitter import UserError
+from splitstage.tasks.outputs import ERROR_FILE
 from splitstage.tasks.stage2.distributed import close_distributed
 from splitstage.tasks.stage2.pp_trainer import PipelineTrainer
 from splitstage.tasks.stage2.trainer import Trainer
+
+
+def report_error(run_dir: Path, error: UserError) -> None:
+    """Leave the reason for the launcher (the first rank to write wins), then say it."""
+    rank = int(os.environ.get("RANK", "0"))
+    print(f"[rank{rank}] splitstage: error: {error}", file=sys.stderr, flush=True)
+    path = run_dir / ERROR_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"rank": rank, "message": str(error)}, handle)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer_cls = PipelineTrainer if pipelined else Trainer
     try:
         trainer_cls(spec).run()
+    except UserError as error:
+        report_error(Path(spec["run_dir"]), error)
+        return 2
     finally:
         close_distributed()
     return 0

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from splitstage.pipelines.config import config_from_dict
 from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.splitter import UserError
 from splitstage.tasks.cache.storage import StorageError
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.plan import make_plan, open_cache
@@ -184,8 +185,9 @@ def test_damaged_cache_is_named_and_never_trained_on(assets, tmp_path, damage):
         expected = shard.name
     else:
         (Path(store.root) / "index" / f"{shard.stem}.json").unlink()
-        expected = "not in cache"
-    with pytest.raises(TorchrunError, match=expected):
+        expected = "samples are not cached"  # found before launch: the manifest lists them
+    # One line naming the damage (found by a rank, or before launch), never trained on.
+    with pytest.raises(UserError, match=expected):
         train(config, run_root=tmp_path / "runs", env=ENV, on_line=lambda line: None)
     assert not (tmp_path / "out" / config.job.name / "dit_lora.safetensors").exists()
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 import splitstage.tasks.cache.store as cache_store_module
 from splitstage.tasks.cache.reader import CacheDataset, epoch_order
+from splitstage.tasks.cache.shard_format import CacheNotFoundError
 from splitstage.tasks.cache.storage import (
     StorageError,
     open_fs,
@@ -359,15 +361,16 @@ def test_bad_inputs_name_the_field(tmp_path):
 def test_manifest_round_trip(cache_url):
     store = CacheStore(cache_url, "ck")
     assert store.read_manifest() is None
-    store.write_manifest({"cache_key": "ck", "shards": 3, "params": ["a", "b"]})
-    assert CacheStore(cache_url, "ck").read_manifest() == {
-        "cache_key": "ck",
-        "shards": 3,
-        "params": ["a", "b"],
-    }
-    store.fs.pipe_file(f"{store.root}/manifest.json", b"{not json")
-    with pytest.raises(CacheCorruptError, match="manifest.json"):
-        store.read_manifest()
+    manifest = {"cache_key": "ck", "samples": [key_of(1)], "params": ["a", "b"]}
+    store.write_manifest(manifest)
+    assert CacheStore(cache_url, "ck").read_manifest() == manifest
+    path = f"{store.root}/manifest.json"
+    for garbage in (b"{not json", b"[1, 2]", b'{"samples": 3}', b'{"samples": ["../x"]}', b"null"):
+        store.fs.pipe_file(path, garbage)
+        with pytest.raises(CacheCorruptError, match="manifest.json.*rerun preprocess"):
+            store.read_manifest()
+    with pytest.raises(CacheCorruptError, match="not a splitstage manifest"):
+        store.write_manifest({"samples": "all"})
 
 
 def test_repr_hides_credentials(tmp_path):
@@ -375,6 +378,203 @@ def test_repr_hides_credentials(tmp_path):
     assert "CacheStore(url=" in repr(store)
     masked = redact({"key": "AKIA1", "secret": "s3cr3t", "client_kwargs": {"token": "t0k"}})
     assert masked == {"key": "***", "secret": "***", "client_kwargs": {"token": "***"}}
+
+
+# ---- checks and repair ---------------------------------------------------------------------------
+def test_one_listing_finds_missing_resized_and_unreadable_entries(cache_url):
+    store = CacheStore(cache_url, "ck")
+    deleted, truncated, garbled, good = store.write_shards(
+        [make_samples([i, i + 1]) for i in range(0, 8, 2)]
+    )
+    _damage(store, deleted, "delete")
+    _damage(store, truncated, "truncate")
+    store.fs.pipe_file(f"{store.root}/index/{garbled.shard_id}.json", b'{"format": 1, "sh')
+    reader = CacheStore(cache_url, "ck")
+    report = reader.check("none")
+    kinds = {p.shard_id: p.kind for p in report.damaged}
+    assert kinds == {
+        deleted.shard_id: "missing",
+        truncated.shard_id: "size",
+        garbled.shard_id: "index",
+    }
+    assert report.bytes_checked == 0 and report.shards_checked == 3  # nothing was re-read
+    assert reader.committed_keys() == set(good.sample_keys)  # only intact samples
+    assert report.lost == sorted(deleted.sample_keys + truncated.sample_keys)
+    assert report.orphans == []  # the garbled entry's shard is damaged, not an orphan
+    assert all("rerun preprocess" in p.problem for p in report.damaged)
+    with pytest.raises(CacheCorruptError, match="not valid JSON"):  # readers stay strict
+        CacheStore(cache_url, "ck").committed_keys()
+
+
+def test_an_edit_in_place_is_found_from_the_listing_times(cache_url):
+    store = CacheStore(cache_url, "ck")
+    flipped, good = store.write_shards([make_samples([1, 2]), make_samples([3])])
+    time.sleep(0.05)  # a later edit, as every real one is
+    _damage(store, flipped, "flip")
+    reader = CacheStore(cache_url, "ck")
+    assert reader.check("none").damaged == []  # same size: a listing alone cannot tell
+    assert reader.check("changed", keys=[key_of(3)]).damaged == []  # not an entry of these keys
+    report = reader.check("changed")
+    assert [(p.shard_id, p.kind) for p in report.damaged] == [(flipped.shard_id, "content")]
+    assert "fails its checksum" in report.damaged[0].problem
+    assert report.bytes_checked == 0  # the good shard was not re-read
+    assert reader.committed_keys() == {key_of(3)} and report.lost == [key_of(1), key_of(2)]
+    full = CacheStore(cache_url, "ck").check("all")
+    assert len(full.damaged) == 1 and full.bytes_checked == good.nbytes
+
+
+def test_damage_keeping_the_modification_time_needs_the_full_check(tmp_path):
+    store = CacheStore(str(tmp_path), "ck")
+    info = store.write_shard(make_samples([1]))
+    path = shard_path(store, info)
+    before = os.stat(path)
+    _damage(store, info, "flip")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # bit rot, or `cp -p`
+    assert store.check("changed").damaged == []
+    assert [p.kind for p in store.check("all").damaged] == ["content"]
+    assert not store.verify().ok
+
+
+def test_a_shard_changed_but_intact_is_recommitted_and_read_once(tmp_path):
+    store = CacheStore(str(tmp_path), "ck")
+    info = store.write_shard(make_samples([1]))
+    index = f"{store.root}/index/{info.shard_id}.json"
+    os.utime(index, (time.time() - 60, time.time() - 60))  # a copy that wrote index/ first
+    first = CacheStore(str(tmp_path), "ck").check("changed", touch=True)
+    assert first.damaged == [] and first.bytes_checked == info.nbytes
+    again = CacheStore(str(tmp_path), "ck").check("changed")
+    assert again.damaged == [] and again.bytes_checked == 0
+
+
+def test_quarantine_moves_damaged_entries_aside_and_a_rewrite_commits_again(cache_url):
+    store = CacheStore(cache_url, "ck")
+    bad, good = store.write_shards([make_samples([1, 2]), make_samples([3])])
+    _damage(store, bad, "truncate")
+    reader = CacheStore(cache_url, "ck")
+    moved = reader.quarantine(reader.check("none").damaged)
+    assert len(moved) == 1 and moved[0].endswith(f"ck/index/{bad.shard_id}.json")
+    aside = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{store.root}/quarantine", False))
+    assert aside == [f"{bad.shard_id}.{ext}" for ext in ("json", "problem.txt", "safetensors")]
+    note = store.fs.cat_file(f"{store.root}/quarantine/{bad.shard_id}.problem.txt").decode()
+    assert "wrong size" in note
+    fresh = CacheStore(cache_url, "ck")
+    assert fresh.committed_keys() == {key_of(3)} and fresh.verify().ok
+    assert fresh.verify().orphans == []
+    store.write_shard(make_samples([1, 2]))  # what the next preprocess does
+    again = CacheStore(cache_url, "ck")
+    assert again.committed_keys() == {key_of(i) for i in (1, 2, 3)} and again.verify().ok
+
+
+def test_quarantine_leaves_an_entry_repaired_since_the_check(cache_url):
+    store = CacheStore(cache_url, "ck")
+    info = store.write_shard(make_samples([1]))
+    _damage(store, info, "delete")
+    reader = CacheStore(cache_url, "ck")
+    report = reader.check("none")
+    store.write_shard(make_samples([1]))  # another worker rewrites the very same shard
+    assert reader.quarantine(report.damaged) == []
+    assert CacheStore(cache_url, "ck").verify().ok
+
+
+def test_a_good_duplicate_keeps_a_sample_when_its_other_copy_is_damaged(cache_url):
+    store = CacheStore(cache_url, "ck")
+    low, high = sorted(
+        [store.write_shard(make_samples([1, 2])), store.write_shard(make_samples([2, 3]))],
+        key=lambda info: info.shard_id,
+    )
+    _damage(store, low, "truncate")  # the copy of sample 2 that readers used
+    reader = CacheStore(cache_url, "ck")
+    report = reader.check("none")
+    assert reader.committed_keys() == set(high.sample_keys)
+    assert report.lost == sorted(set(low.sample_keys) - {key_of(2)})
+    assert reader.shard_of([key_of(2)]) == {key_of(2): high.shard_id}
+    assert_same(reader.read_samples([key_of(2)])[key_of(2)], make_sample(2))
+
+
+def test_an_entry_with_other_params_is_damaged_for_this_job(cache_url):
+    store = CacheStore(cache_url, "ck")
+    store.write_shard(make_samples([1]))
+    odd = store.write_shard({key_of(2): {"latents": torch.zeros(2)}})
+    report = CacheStore(cache_url, "ck").check("none", params=make_sample(1))
+    assert [(p.shard_id, p.kind) for p in report.damaged] == [(odd.shard_id, "params")]
+    assert (
+        "['latents']" in report.damaged[0].problem and "'prompt_emb'" in report.damaged[0].problem
+    )
+
+
+def test_tensors_unlike_their_index_entry_are_never_returned(cache_url):
+    store = CacheStore(cache_url, "ck")
+    info = store.write_shard(make_samples([1]))
+    path = f"{store.root}/index/{info.shard_id}.json"
+    entry = json.loads(store.fs.cat_file(path))
+    entry["samples"][key_of(1)]["latents"]["shape"] = [4, 1, 2, 2]  # checksum still matches
+    store.fs.pipe_file(path, json.dumps(entry).encode())
+    reader = CacheStore(cache_url, "ck")
+    with pytest.raises(CacheCorruptError, match=r"disagrees with its index.*says bfloat16 \[4, 1"):
+        reader.read_samples([key_of(1)])
+    report = CacheStore(cache_url, "ck").verify()
+    assert [p.kind for p in report.damaged] == ["content"]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"[]",
+        b'{"format": 1, "shard": "shards/x.safetensors", "bytes": 1, "sha256": "a", "samples": {}}',
+        b'{"format": true, "shard": 1}',
+    ],
+)
+def test_index_entries_that_are_json_but_not_entries_are_damaged(cache_url, garbage):
+    store = CacheStore(cache_url, "ck")
+    info = store.write_shard(make_samples([1]))
+    store.fs.pipe_file(f"{store.root}/index/{info.shard_id}.json", garbage)
+    report = CacheStore(cache_url, "ck").check("none")
+    assert [p.kind for p in report.damaged] == ["index"]
+    assert report.samples == 0
+
+
+def test_bad_param_specs_in_an_index_entry_are_damage(cache_url):
+    store = CacheStore(cache_url, "ck")
+    info = store.write_shard(make_samples([1]))
+    path = f"{store.root}/index/{info.shard_id}.json"
+    entry = json.loads(store.fs.cat_file(path))
+    for bad in ({"dtype": "float32", "shape": [-1]}, "text", {"shape": [1]}, None):
+        entry["samples"][key_of(1)]["latents"] = bad
+        store.fs.pipe_file(path, json.dumps(entry).encode())
+        with pytest.raises(CacheCorruptError, match="bad entry for sample"):
+            CacheStore(cache_url, "ck").committed_keys()
+
+
+def test_verify_compares_with_the_manifest(cache_url):
+    store = CacheStore(cache_url, "ck")
+    store.write_shard(make_samples([1, 2]))
+    store.write_manifest({"samples": [key_of(i) for i in (1, 2, 3)]})
+    report = CacheStore(cache_url, "ck").verify()
+    assert not report.ok and report.missing == [key_of(3)] and report.manifest_samples == 3
+    assert any("missing 1 of the 3 samples" in line for line in report.lines())
+    assert "INCOMPLETE" in report.lines()[0]
+    store.fs.pipe_file(f"{store.root}/manifest.json", b"{]")
+    garbled = CacheStore(cache_url, "ck").verify()
+    assert [p.kind for p in garbled.damaged] == ["manifest"] and not garbled.ok
+
+
+def test_require_names_a_cache_that_was_never_written(tmp_path):
+    fix = "run `splitstage preprocess job.toml`"
+    with pytest.raises(CacheNotFoundError, match=r"holds no samples: the folder cache.url"):
+        CacheStore(str(tmp_path / "nowhere"), "ck").require(fix)
+    with pytest.raises(
+        CacheNotFoundError, match=r"holds no samples: nothing was written.*job.toml"
+    ):
+        CacheStore(str(tmp_path), "ck").require(fix)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CacheNotFoundError, match="cache.url"):
+        CacheStore(str(tmp_path / "file"), "ck").require(fix)
+    store = CacheStore(str(tmp_path), "ck")
+    store.write_shard(make_samples([1]))
+    store.require(fix)
+    memory = CacheStore(f"memory://splitstage-tests/{uuid.uuid4().hex}", "ck")
+    with pytest.raises(CacheNotFoundError, match="nothing was written"):
+        memory.require(fix)
 
 
 # ---- storage helpers ---------------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""The `[pipeline]` group: the family a job names, and its settings, each marked once as changing
+stage-1 outputs or not (torch-free: `validate` and the Prefect UI form stay light)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Field, SerializeAsAny, ValidationError, WrapValidator
+
+from splitstage.pipelines.config_base import Group
+
+
+class PipelineConfig(Group):
+    """Base of every family's `[pipeline]` group: `name` picks the family; the rest are settings.
+
+    A family's group declares each setting once with `setting(..., stage1=...)`: the cache key takes
+    exactly the settings marked as changing stage-1 outputs, so no second hand-kept list can go
+    stale. Groups are torch-free, so `validate` and the Prefect UI form stay light.
+    """
+
+    name: str = Field(description="Pipeline family (see `splitstage families`).")
+    family_class: ClassVar[str] = ""  # "module:Class" of the family, imported only when used
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for name, info in cls.model_fields.items():
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            if name != "name" and STAGE1 not in extra:
+                raise TypeError(
+                    f"{cls.__name__}.{name}: declare it with setting(..., stage1=True|False) so "
+                    "the cache key knows whether it changes stage-1 outputs"
+                )
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting the family's units and training step read."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name != "name"}
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The settings that change stage-1 outputs (part of the cache key)."""
+        fields = type(self).model_fields
+        return {
+            name: getattr(self, name)
+            for name, info in fields.items()
+            if name != "name" and (info.json_schema_extra or {}).get(STAGE1)
+        }
+
+
+STAGE1 = "changes_stage1"
+
+
+def setting(default: Any = ..., *, stage1: bool, **kwargs: Any) -> Any:
+    """A family setting: `stage1=True` when it changes what stage 1 computes (the cache key)."""
+    return Field(default, json_schema_extra={STAGE1: stage1}, **kwargs)
+
+
+def _pipeline_group(value: Any, handler: Any) -> PipelineConfig:
+    """Validate `[pipeline]` as the config group of the family its `name` picks (default demo)."""
+    if isinstance(value, PipelineConfig):
+        return value
+    if not isinstance(value, dict):
+        return handler(value)
+    from splitstage.pipelines.registry import UnknownFamilyError, config_class
+
+    name = value.get("name", DEFAULT_FAMILY)
+    try:
+        group = config_class(name)
+    except UnknownFamilyError as error:
+        raise ValidationError.from_exception_data(
+            "PipelineConfig",
+            [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": error}}],
+        ) from None
+    return group.model_validate({**value, "name": name})
+
+
+def _default_pipeline() -> PipelineConfig:
+    return _pipeline_group({}, None)
+
+
+class _AnyFamilySchema:
+    """JSON schema of `[pipeline]` for the Prefect UI form: one of the registered families."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        from splitstage.pipelines.registry import config_class, family_names
+
+        options = []
+        for name in family_names():
+            schema = config_class(name).model_json_schema()
+            schema.pop("$defs", None)
+            options.append(schema)
+        return {"oneOf": options, "title": "Pipeline", "description": PipelineConfig.__doc__}
+
+
+DEFAULT_FAMILY = "demo"
+AnyPipelineConfig = Annotated[
+    SerializeAsAny[PipelineConfig], WrapValidator(_pipeline_group), _AnyFamilySchema()
+]

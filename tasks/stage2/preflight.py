@@ -1,0 +1,286 @@
+"""Everything knowable before launch, checked before launch: one line naming the field and the fix.
+
+`preflight` runs in the launcher (and `splitstage validate`) before any torchrun process starts:
+the mesh, the models and their weights files, what is trained and how, whether the cache holds
+exactly the data set, whether the batches fit it, whether the outputs can be written, and whether
+a checkpoint to resume from was made with compatible settings. Findings that are not errors come
+back as warnings, which the caller prints.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.splitter import UserError
+from splitstage.tasks.cache.fingerprint import stable_hash
+from splitstage.tasks.cache.storage import StorageError, join, write_atomic
+from splitstage.tasks.data_index import index_data_set
+from splitstage.tasks.outputs import open_output, output_storage_options
+from splitstage.tasks.plan import JobPlan, open_cache
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
+from splitstage.tasks.stage2.models import parallel_mode
+from splitstage.tasks.stage2.pp_trainer import check_pp_config
+from splitstage.tasks.stage2.resume import compare, run_settings
+from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
+
+RUN_PATHS = {"output_url": "output.url", "checkpoint_url": "train.checkpoint_url"}
+
+
+class StaleCacheError(UserError, RuntimeError):
+    """The cache does not hold exactly the data set's samples."""
+
+
+@dataclass
+class Preflight:
+    """What the checks found: warnings to print, the training samples, the settings to record."""
+
+    warnings: list[str] = field(default_factory=list)
+    samples: list[str] | None = None  # the keys to train on when not the cache's manifest
+    sample_count: int = 0
+    settings: dict = field(default_factory=dict)
+
+
+def data_parallel_degree(config: SplitstageConfig) -> int:
+    """How many replicas split the data (pipeline stages and TP ranks share batches)."""
+    world = config.train.nnodes * config.train.nproc_per_node
+    if config.train.parallelism == "pp":
+        return 1
+    _, dp, _ = parallel_mode(config, world)
+    return dp
+
+
+def check_layout(config: SplitstageConfig) -> None:
+    """The mesh fits the world; pipeline-parallel settings fit the denoiser."""
+    if config.train.parallelism == "pp":
+        check_pp_config(config)
+    else:
+        parallel_mode(config, config.train.nnodes * config.train.nproc_per_node)
+
+
+def check_models(config: SplitstageConfig, plan: JobPlan) -> None:
+    """Every model stage 2 builds has a usable source, and its weights file fits it."""
+    family = plan.family
+    unsplit = config.train.mode == "unsplit"
+    names = list(family.model_names) if unsplit else plan.split.models["stage2"]
+    family.check_models(names)
+    for name in names:
+        weights = family.weights_file(name)
+        if weights and weights[0].endswith(".safetensors"):
+            meta_model = family.build_model(name, torch.device("meta"), meta=True)
+            try:
+                check_weights_file(meta_model, weights[0], weights[1])
+            except WeightsError as error:
+                raise ConfigError(f"models.{name}.weights: {error}") from None
+
+
+def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
+    """Exactly one trained model; LoRA targets that exist and a rank they can hold."""
+    trained = config.trainable.models()
+    if not trained:
+        raise ConfigError(
+            "trainable: nothing is trained; set trainable.lora_base_model (LoRA) or "
+            f"trainable.full (e.g. ['{plan.family.denoiser}'])"
+        )
+    if len(trained) > 1:
+        raise ConfigError(
+            f"trainable: {', '.join(trained)} are all trained, but one trained model per run is "
+            "supported so far; train one of them (trainable.full or trainable.lora_base_model)"
+        )
+    base = config.trainable.lora_base_model
+    if base is None:
+        return []
+    family = plan.family
+    model = family.build_model(base, torch.device("meta"), meta=True)
+    targets = family.lora_targets(base)
+    return check_lora_targets(model, base, targets, config.trainable.lora_rank)
+
+
+def check_lora_targets(model: nn.Module, base: str, targets: list[str], rank: int) -> list[str]:
+    """Refuse targets matching no module, and a rank above a targeted layer's width."""
+    leaves: dict[str, list[nn.Module]] = {}
+    for name, module in model.named_modules():
+        leaves.setdefault(name.rsplit(".", 1)[-1], []).append(module)
+    unknown = [t for t in targets if t not in leaves]
+    if unknown:
+        known = sorted(n for n, ms in leaves.items() if any(_width(m) for m in ms))[:12]
+        raise ConfigError(
+            f"trainable.lora_target_modules: {', '.join(unknown)} name no module of '{base}'; "
+            f"its adaptable modules include {', '.join(known)}"
+        )
+    narrow = [
+        (t, width) for t in targets for m in leaves[t] if (width := _width(m)) and width < rank
+    ]
+    if narrow:
+        target, width = min(narrow, key=lambda item: item[1])
+        raise ConfigError(
+            f"trainable.lora_rank={rank} exceeds the width of '{target}' in '{base}' ({width}): "
+            f"a LoRA of that rank cannot be more than full rank; set lora_rank <= {width}"
+        )
+    return targets
+
+
+def _width(module: nn.Module) -> int:
+    """min(in, out) features of a layer LoRA can adapt (0 for others)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Embedding) and weight is not None:
+        return min(weight.shape[0], weight.shape[1])
+    return 0
+
+
+def check_cache(config: SplitstageConfig, plan: JobPlan, result: Preflight) -> None:
+    """The cache exists and holds exactly the data set's samples (or training was told to go on)."""
+    if config.cache.url.startswith("memory://") and config.train.mode == "split":
+        raise ConfigError(
+            "cache.url: a memory:// cache lives inside one process, and stage 2 runs in torchrun "
+            "processes that cannot see it; use a local folder or object storage"
+        )
+    data = index_data_set(config)
+    if config.train.mode == "unsplit":
+        result.sample_count = len(data.keys)
+        result.settings["samples"] = stable_hash(sorted(data.keys))
+        return
+    store = open_cache(config, plan)
+    committed = store.committed_keys()
+    wanted = set(data.keys)
+    if not committed:
+        raise StaleCacheError(
+            f"the cache {store.url} holds no samples: run `splitstage preprocess CONFIG` first "
+            "(stage 1 must run before stage 2)"
+        )
+    manifest = store.read_manifest() or {}
+    listed = set(manifest.get("samples") or ())
+    wanted -= set(manifest.get("undecodable") or ()) if config.data.skip_bad_rows else set()
+    missing, extra = wanted - committed, (listed or committed) - wanted
+    trained = wanted & committed
+    if missing or extra or listed != wanted:
+        what = (
+            f"the cache {store.url} does not match the data set {config.data.base_path}: "
+            f"{len(missing)} of its {len(wanted)} samples are not cached (added or edited since "
+            f"preprocess, or some --shard runs have not finished) and {len(extra)} cached "
+            "samples are no longer in it (deleted or edited)"
+        )
+        if not config.train.allow_stale_cache:
+            raise StaleCacheError(
+                f"{what}: run `splitstage preprocess CONFIG` to bring it up to date, or set "
+                "train.allow_stale_cache = true to train on the cached samples of the data set"
+            )
+        result.warnings.append(f"{what}; training on those {len(trained)} samples")
+        result.samples = sorted(trained)
+    result.sample_count = len(trained)
+    result.settings["samples"] = stable_hash(sorted(trained))
+
+
+def check_batches(config: SplitstageConfig, samples: int, data_parallel: int) -> None:
+    """At least one update per epoch on every rank."""
+    train = config.train
+    per_rank = samples // data_parallel
+    batches = per_rank // train.batch_size
+    if batches < train.gradient_accumulation_steps:
+        fits = per_rank // train.gradient_accumulation_steps
+        fix = (
+            f"set train.batch_size <= {fits}"
+            if fits
+            else "use fewer data-parallel ranks or more data"
+        )
+        raise ConfigError(
+            f"{samples} samples over {data_parallel} data-parallel replica(s) give {batches} "
+            f"batches per rank per epoch with train.batch_size={train.batch_size}, fewer than "
+            f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}: no update "
+            f"would run; {fix} (or lower gradient_accumulation_steps)"
+        )
+
+
+def check_outputs(config: SplitstageConfig, paths: dict[str, str]) -> None:
+    """Outputs, checkpoints and the scratch folder can be written by the training processes."""
+    for key, field_name in RUN_PATHS.items():
+        url = paths[key]
+        if url.startswith("memory://"):
+            raise ConfigError(
+                f"{field_name}: memory:// would keep the run's files inside the training "
+                "processes, lost when they end; use a local folder or object storage"
+            )
+        probe_writable(config, url, field_name)
+    scratch = Path(paths["run_dir"])
+    try:
+        scratch.mkdir(parents=True, exist_ok=True)
+        probe = scratch / f".write-probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"train.scratch_dir: cannot write the run folder {scratch} ({error.strerror}); "
+            "point train.scratch_dir at a writable folder"
+        ) from None
+
+
+def probe_writable(config: SplitstageConfig, url: str, field_name: str) -> None:
+    """Write and delete a probe object under `url`: a read-only target fails now, not later."""
+    fs, root = open_output(config, url)
+    probe = join(root, f".write-probe-{uuid.uuid4().hex}")
+    try:
+        if "://" not in url or url.startswith("file://"):
+            os.makedirs(root, exist_ok=True)
+        write_atomic(fs, probe, b"")
+        fs.rm(probe)
+    except StorageError as error:
+        raise ConfigError(f"{field_name}: {error}") from None
+    except OSError as error:
+        raise ConfigError(
+            f"{field_name}: cannot write under {url} ({error.strerror or error}); make it "
+            "writable or point the field at a writable folder or bucket"
+        ) from None
+
+
+def check_resume(config: SplitstageConfig, paths: dict[str, str], result: Preflight) -> None:
+    """A checkpoint to resume from was made with settings this run can continue exactly."""
+    url = paths["checkpoint_url"]
+    options = output_storage_options(config, url)
+    step = latest_checkpoint(url, storage_options=options, clean=False)
+    if step is None:
+        return
+    saved = read_extra_state(url, step, storage_options=options).get("settings")
+    result.warnings += compare(saved, result.settings, step=step, checkpoint_url=url)
+
+
+def precision_warnings(config: SplitstageConfig) -> list[str]:
+    """Precision asked for that this machine will not give (accelerate ignores fp16 on CPUs)."""
+    on_gpu = torch.cuda.is_available() and os.environ.get("SPLITSTAGE_DEVICE", "") != "cpu"
+    if config.train.mixed_precision == "fp16" and not on_gpu:
+        return [
+            "train.mixed_precision='fp16' on a CPU: there is no fp16 autocast on CPUs, so this "
+            "run trains in fp32; use 'bf16' for reduced precision on a CPU, or 'auto'"
+        ]
+    return []
+
+
+def preflight(
+    config: SplitstageConfig, plan: JobPlan, paths: dict[str, str] | None = None
+) -> Preflight:
+    """Every check before `train`; `paths` (from `run_paths`) adds the output, scratch and resume
+    checks. Without `paths` (`splitstage validate`) a cache that is not ready is a warning."""
+    result = Preflight()
+    check_layout(config)
+    check_models(config, plan)
+    targets = check_trainable(config, plan)
+    dp = data_parallel_degree(config)
+    result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
+    try:
+        check_cache(config, plan, result)
+    except StaleCacheError as error:
+        if paths is not None:
+            raise
+        result.warnings.append(f"train would refuse now: {error}")
+        result.sample_count = len(index_data_set(config).keys)
+    check_batches(config, result.sample_count, dp)
+    result.warnings += precision_warnings(config)
+    if paths is not None:
+        check_outputs(config, paths)
+        check_resume(config, paths, result)
+    return result

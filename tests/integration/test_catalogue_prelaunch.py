@@ -1,0 +1,170 @@
+"""Catalogue, class 1 and 4: what `validate` accepted but failed inside the ranks, and options that
+were silently ignored. Every case runs the real CLI; errors are ONE line, exit 2, before launch.
+
+The cases stand for classes: a trained-model count, LoRA targets and ranks that no layer can hold,
+batches the data set cannot fill, outputs nothing can write, a cache no training process can read,
+training before stage 1, a node rank outside the job, precision this machine will not give.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from splitstage.cli import main
+from tests.integration.test_bad_input_catalogue import assets, check_one_line  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def job(root: Path, tmp_path: Path, *, trainable: str = 'lora_base_model = "dit"', **groups):
+    """A tiny valid job as TOML; `groups` replace or add whole [group] bodies (name -> lines)."""
+    body = {
+        "job": 'name = "catalogue"',
+        "models.vae": f'weights = "{root}/weights/vae.safetensors"',
+        "models.dit": f'weights = "{root}/weights/dit.safetensors"',
+        "models.text_encoder": 'builder = "tiny"',
+        "trainable": trainable,
+        "data": f'base_path = "{root}/data"',
+        "cache": f'url = "{root}/cache"\nshard_samples = 4',
+        "train": "batch_size = 2\nmax_steps = 1",
+        "output": f'url = "{tmp_path}/out"',
+    }
+    body.update({k.replace("__", "."): v for k, v in groups.items()})
+    path = tmp_path / f"job-{time.monotonic_ns()}.toml"
+    path.write_text("".join(f"[{name}]\n{lines}\n" for name, lines in body.items()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cached(assets):  # noqa: F811 - the catalogue's module fixture, imported above
+    """The catalogue's assets with their cache filled once (stage 1 of the tiny job)."""
+    (assets / "prep").mkdir(exist_ok=True)
+    path = Path(job(assets, assets / "prep"))
+    assert main(["preprocess", str(path)]) == 0
+    return assets
+
+
+def cli(args: list[str], capsys) -> tuple[int, str]:
+    """(exit code, stderr) of the real CLI, whether it returns or exits (argparse)."""
+    try:
+        code = main(args)
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+CASES = {  # name -> (groups for job(), command, needles)
+    "two trained models": (
+        {"trainable": 'lora_base_model = "dit"\nfull = ["vae"]'},
+        "validate",
+        ["trainable: vae, dit", "one trained model"],
+    ),
+    "nothing trained": ({"trainable": "lora_rank = 4"}, "validate", ["nothing is trained"]),
+    "LoRA targets matching no module": (
+        {"trainable": 'lora_base_model = "dit"\nlora_target_modules = ["to_qq"]'},
+        "validate",
+        ["trainable.lora_target_modules", "to_qq", "to_q"],
+    ),
+    "empty LoRA target list": (
+        {"trainable": 'lora_base_model = "dit"\nlora_target_modules = []'},
+        "validate",
+        ["trainable.lora_target_modules"],
+    ),
+    "LoRA rank above the layer width": (
+        {"trainable": 'lora_base_model = "dit"\nlora_rank = 1000'},
+        "validate",
+        ["trainable.lora_rank=1000", "lora_rank <= 192"],
+    ),
+    "LoRA alpha of zero": (
+        {"trainable": 'lora_base_model = "dit"\nlora_alpha = 0'},
+        "validate",
+        ["trainable.lora_alpha", "greater than 0"],
+    ),
+    "full and LoRA on one model": (
+        {"trainable": 'lora_base_model = "dit"\nfull = ["dit"]'},
+        "validate",
+        ["both in full and the lora_base_model"],
+    ),
+    "batch larger than the data set": (
+        {"train": "batch_size = 64"},
+        "train",
+        ["6 samples", "train.batch_size=64", "set train.batch_size <= 6"],
+    ),
+    "accumulation larger than the data set": (
+        {"train": "batch_size = 2\ngradient_accumulation_steps = 8"},
+        "train",
+        ["train.gradient_accumulation_steps=8", "no update would run"],
+    ),
+    "seed beyond 63 bits": ({"job": "seed = 18446744073709551616"}, "validate", ["job.seed"]),
+    "infinite learning rate": ({"train": "learning_rate = inf"}, "validate", ["finite"]),
+    "output URL scheme nothing writes": (
+        {"output": 'url = "ftp://host/out"'},
+        "validate",
+        ["output.url", "ftp://"],
+    ),
+    "memory:// cache read by torchrun processes": (
+        {"cache": 'url = "memory://cache"'},
+        "train",
+        ["cache.url", "memory://"],
+    ),
+    "job name escaping output.url": (
+        {"job": 'name = "../../x"'},
+        "validate",
+        ["job.name", "cannot name one folder"],
+    ),
+    "read-only output folder": (
+        {"output": 'url = "/sys/kernel/splitstage-out"'},
+        "train",
+        ["output.url", "/sys/kernel/splitstage-out"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_before_launch(case, cached, tmp_path, capsys):
+    groups, command, needles = CASES[case]
+    started = time.monotonic()
+    code, err = cli([command, job(cached, tmp_path, **groups)], capsys)
+    check_one_line(code, err, *needles)
+    assert time.monotonic() - started < 30  # refused before any torchrun process started
+    assert not list(tmp_path.glob("out/**/*.safetensors"))
+
+
+def test_training_before_preprocess_says_run_preprocess(assets, tmp_path, capsys):  # noqa: F811
+    path = job(assets, tmp_path, cache=f'url = "{tmp_path}/empty-cache"')
+    check_one_line(*cli(["train", path], capsys), "holds no samples", "splitstage preprocess")
+    code, err = cli(["validate", path], capsys)  # validate plans and warns, it does not refuse
+    assert code == 0 and "warning: train would refuse now" in err
+
+
+def test_node_rank_outside_the_job(cached, tmp_path, capsys):
+    path = job(cached, tmp_path)
+    check_one_line(*cli(["train", path, "--node-rank", "3"], capsys), "--node-rank 3", "0..0")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["preprocess", "JOB", "--workers", "0"], "--workers: must be >= 1"),
+        (["train", "JOB", "--nproc-per-node", "-2"], "--nproc-per-node: must be >= 1"),
+        (["train", "JOB", "--run-id", "../escape"], "run id '../escape'"),
+        (["data", "digits", "OUT", "--size", "0"], "--size: must be >= 8"),
+        (["data", "digits", "OUT", "--limit", "-5"], "--limit: must be >= 1"),
+        (["stages", "--num-layers", "4", "--num-stages", "0"], "--num-stages: must be >= 1"),
+    ],
+)
+def test_bad_numbers_on_the_command_line(args, needle, cached, tmp_path, capsys):
+    path = job(cached, tmp_path)
+    args = [path if a == "JOB" else str(tmp_path / "d") if a == "OUT" else a for a in args]
+    check_one_line(*cli(args, capsys), needle)
+
+
+def test_fp16_on_a_cpu_is_said_not_silent(cached, tmp_path, capsys):
+    code, err = cli(
+        ["validate", job(cached, tmp_path, train='batch_size = 2\nmixed_precision = "fp16"')],
+        capsys,
+    )
+    assert code == 0 and "mixed_precision='fp16' on a CPU" in err and "fp32" in err
