@@ -159,7 +159,7 @@ def check_cache(config: SplitstageConfig, plan: JobPlan, result: Preflight) -> N
     wanted -= set(manifest.get("undecodable") or ()) if config.data.skip_bad_rows else set()
     missing, extra = wanted - committed, (listed or committed) - wanted
     trained = wanted & committed
-    if missing or extra or listed != wanted:
+    if missing or extra:
         what = (
             f"the cache {store.url} does not match the data set {config.data.base_path}: "
             f"{len(missing)} of its {len(wanted)} samples are not cached (added or edited since "
@@ -172,6 +172,7 @@ def check_cache(config: SplitstageConfig, plan: JobPlan, result: Preflight) -> N
                 "train.allow_stale_cache = true to train on the cached samples of the data set"
             )
         result.warnings.append(f"{what}; training on those {len(trained)} samples")
+    if listed != trained:  # no manifest (only --shard runs), or one older than the cache
         result.samples = sorted(trained)
     result.sample_count = len(trained)
     result.settings["samples"] = stable_hash(sorted(trained))
