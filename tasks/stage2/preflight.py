@@ -21,7 +21,7 @@ from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.storage import StorageError, join, write_atomic
-from splitstage.tasks.data_index import index_data_set
+from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.outputs import open_output, output_storage_options
 from splitstage.tasks.plan import JobPlan, open_cache
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
@@ -134,14 +134,15 @@ def _width(module: nn.Module) -> int:
     return 0
 
 
-def check_cache(config: SplitstageConfig, plan: JobPlan, result: Preflight) -> None:
+def check_cache(
+    config: SplitstageConfig, plan: JobPlan, data: DataIndex, result: Preflight
+) -> None:
     """The cache exists and holds exactly the data set's samples (or training was told to go on)."""
     if config.cache.url.startswith("memory://") and config.train.mode == "split":
         raise ConfigError(
             "cache.url: a memory:// cache lives inside one process, and stage 2 runs in torchrun "
             "processes that cannot see it; use a local folder or object storage"
         )
-    data = index_data_set(config)
     if config.train.mode == "unsplit":
         result.sample_count = len(data.keys)
         result.settings["samples"] = stable_hash(sorted(data.keys))
@@ -272,13 +273,14 @@ def preflight(
     targets = check_trainable(config, plan)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
+    data = index_data_set(config)
     try:
-        check_cache(config, plan, result)
+        check_cache(config, plan, data, result)
     except StaleCacheError as error:
         if paths is not None:
             raise
         result.warnings.append(f"train would refuse now: {error}")
-        result.sample_count = len(index_data_set(config).keys)
+        result.sample_count = len(data.keys)
     check_batches(config, result.sample_count, dp)
     result.warnings += precision_warnings(config)
     if paths is not None:

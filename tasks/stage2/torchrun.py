@@ -174,6 +174,23 @@ def _processes(known: dict[int, float]) -> list[psutil.Process]:
     return out
 
 
+_DIE_WITH_PARENT = (  # prctl(PR_SET_PDEATHSIG, SIGTERM) survives the exec
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dies_with_this_process(command: Sequence[str]) -> list[str]:
+    """`command`, SIGTERMed if the launching thread dies (Linux; else as is): a SIGKILLed
+    launcher ends torchrun and so its workers, which would otherwise train on after the run's
+    lease expired."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
 def is_alive(proc: psutil.Process | int) -> bool:
     """True while a process runs (a zombie awaiting its reaper counts as dead)."""
     try:
@@ -284,7 +301,7 @@ def run_torchrun(
     env = {**os.environ, **{k: str(v) for k, v in spec.env.items()}, "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     proc = subprocess.Popen(
-        command,
+        dies_with_this_process(command),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

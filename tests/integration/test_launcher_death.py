@@ -1,0 +1,56 @@
+"""A SIGKILLed launcher takes its torchrun tree with it (no rank trains on, writing, after the
+run's lease went), and the rerun on the same host takes the dead holder's lease at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from splitstage.demo import write_demo_weights
+from splitstage.pipelines.digits import write_digits_dataset
+from tests.integration.test_catalogue_prelaunch import job
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "SPLITSTAGE_DEVICE": "cpu", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "splitstage.cli", *args], env=env, cwd=ROOT)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killed_launcher_ends_its_ranks_and_the_rerun_takes_the_run(tmp_path):
+    write_digits_dataset(tmp_path / "data", limit=8)
+    write_demo_weights(tmp_path / "weights")
+    (tmp_path / "prep").mkdir()
+    path = job(tmp_path, tmp_path, train="batch_size = 2\nepochs = 100000\ncheckpoint_every = 5")
+    assert cli(["preprocess", path]).wait(timeout=120) == 0
+    launcher = cli(["train", path])
+    metrics = tmp_path / "out/catalogue/metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and launcher.poll() is None, "training never started"
+        time.sleep(0.2)
+    tree = psutil.Process(launcher.pid).children(recursive=True)
+    assert any("stage2.worker" in " ".join(p.cmdline()) for p in tree if p.is_running())
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    lines = metrics.read_text().count("\n")
+    time.sleep(1.0)
+    assert metrics.read_text().count("\n") == lines  # nothing writes for the dead run any more
+    rerun = job(
+        tmp_path,
+        tmp_path,
+        train="batch_size = 2\nepochs = 100000\nmax_steps = 12\ncheckpoint_every = 5",
+    )
+    assert cli(["train", rerun]).wait(timeout=180) == 0  # the dead pid's lease is taken at once
