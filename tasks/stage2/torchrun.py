@@ -183,9 +183,8 @@ _DIE_WITH_PARENT = (  # prctl(PR_SET_PDEATHSIG, SIGTERM) survives the exec
 
 
 def dies_with_this_process(command: Sequence[str]) -> list[str]:
-    """`command`, SIGTERMed if the launching thread dies (Linux; else as is): a SIGKILLed
-    launcher ends torchrun and so its workers, which would otherwise train on after the run's
-    lease expired."""
+    """`command`, SIGTERMed if the launching thread dies (Linux): a SIGKILLed launcher ends
+    torchrun and its workers, which would otherwise train on after the run's lease expired."""
     if not sys.platform.startswith("linux"):
         return list(command)
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]

@@ -15,10 +15,19 @@ import pytest
 
 from splitstage.demo import write_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.tasks.stage2.torchrun import is_alive
 from tests.integration.test_catalogue_prelaunch import job
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def command(proc: psutil.Process) -> str:
+    """A process's command line ('' once it has exited or is a zombie)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def cli(args: list[str]) -> subprocess.Popen:
@@ -40,11 +49,13 @@ def test_killed_launcher_ends_its_ranks_and_the_rerun_takes_the_run(tmp_path):
         assert time.monotonic() < deadline and launcher.poll() is None, "training never started"
         time.sleep(0.2)
     tree = psutil.Process(launcher.pid).children(recursive=True)
-    assert any("stage2.worker" in " ".join(p.cmdline()) for p in tree if p.is_running())
+    assert any("stage2.worker" in command(p) for p in tree)
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
-    gone, alive = psutil.wait_procs(tree, timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
+    deadline = time.monotonic() + 30
+    while alive := [p for p in tree if is_alive(p)]:  # a zombie awaiting its reaper is dead
+        assert time.monotonic() < deadline, [command(p) for p in alive]
+        time.sleep(0.2)
     lines = metrics.read_text().count("\n")
     time.sleep(1.0)
     assert metrics.read_text().count("\n") == lines  # nothing writes for the dead run any more
