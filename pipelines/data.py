@@ -346,8 +346,11 @@ def load_sample(
     base_path: str | Path,
     size: int | tuple[int, int] = 64,
     image_bytes: bytes | None = None,
+    *,
+    source_size: bool = False,
 ) -> dict[str, Any]:
-    """One sample: image [3,H,W] in [-1,1], prompt, height, width, then the row's extra fields.
+    """One sample: image [3,H,W] in [-1,1], prompt, height, width, then the row's extra fields
+    (and `source_size` = [h, w] of the decoded file, for families conditioned on it).
 
     Pass image_bytes if already read (e.g. for the sample key) to avoid reading the file twice.
     Extra fields never override image/prompt/height/width. 16-bit and float images are resized
@@ -356,13 +359,16 @@ def load_sample(
     height, width = (size, size) if isinstance(size, int) else size
     data = read_image_bytes(row, base_path) if image_bytes is None else image_bytes
     img = open_image(data, row.where, Path(base_path) / row.image)
-    return {
+    sample = {
         **row.extras,
         "image": image_to_tensor(center_crop_resize(img, height, width)),
         "prompt": row.prompt,
         "height": height,
         "width": width,
     }
+    if source_size:
+        sample["source_size"] = [img.height, img.width]
+    return sample
 
 
 def sample_key(image_bytes: bytes, prompt: str, extras: Mapping[str, Any] | None = None) -> str:

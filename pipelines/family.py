@@ -10,7 +10,7 @@ docs/adding-a-family.md.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,6 +22,7 @@ from torch import nn
 from splitstage.pipelines.config import ConfigError, ModelConfig
 from splitstage.pipelines.registry import config_class, import_object
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
 from splitstage.splitter import Pipeline
 
 if TYPE_CHECKING:
@@ -31,11 +32,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainingStep:
-    """One step's denoiser inputs (positional, in the denoiser's dtype), target and weighting."""
+    """One step's denoiser inputs (in the denoiser's dtype), target and weighting."""
 
     denoiser_args: tuple[Any, ...]
     target: torch.Tensor
     weight: torch.Tensor | None = None  # per-sample loss weights [B] (e.g. min-SNR), or None
+    denoiser_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword inputs (not PP)
+
+
+@dataclass
+class ExportRequest:
+    """What an export is of: LoRA or full, its rank / alpha / targets, the run's updates."""
+
+    lora: bool
+    rank: int
+    alpha: float
+    targets: list[str]
+    remove_prefix: str = ""
+    steps: int = 0
 
 
 class Family:
@@ -99,10 +113,13 @@ class Family:
             )
 
     def fingerprint_source(self, name: str) -> str | dict[str, Any]:
-        """What identifies a model's weights: a file (hashed by content) or a JSON payload."""
+        """What identifies a model's weights: a file (hashed by content) or a JSON payload
+        (whose "files" list, if any, is replaced by the files' content hashes)."""
         source = self.model_source(name)
         if source.weights:
             require_file(source.weights, f"models.{name}.weights")
+            if is_index_path(source.weights):  # the shards' content, not just the index's
+                return {"files": [source.weights, *index_shard_paths(source.weights)]}
             return source.weights
         return {"builder": source.builder, "seed": self.config.job.seed}
 
@@ -131,7 +148,7 @@ class Family:
 
     def denoise(self, ctx: StepContext, step: TrainingStep) -> torch.Tensor:
         """The denoiser's prediction for a step (PP runs the same args through its stages)."""
-        return ctx.model(self.denoiser, "model_fn")(*step.denoiser_args)
+        return ctx.model(self.denoiser, "model_fn")(*step.denoiser_args, **step.denoiser_kwargs)
 
     def loss(self, prediction: torch.Tensor, step: TrainingStep) -> torch.Tensor:
         """The training loss of a prediction (float32 MSE, weighted per sample if the step says)."""
@@ -154,6 +171,9 @@ class Family:
     def tp_plan(self, name: str) -> Mapping[str, str] | None:
         """Tensor-parallel plan (FQN pattern -> 'colwise' / 'rowwise') for a model, if any."""
         return self.tp_plans.get(name)
+
+    def tp_prepare(self, model: nn.Module, tp_degree: int) -> None:
+        """Adjust a model after tensor-parallel sharding (e.g. per-rank head counts)."""
 
     def pp_module_fqns(self, model: nn.Module) -> list[str]:
         """The denoiser's top-level module FQNs in forward order, for pipeline-parallel stages."""
@@ -178,9 +198,43 @@ class Family:
         """Extra safetensors metadata of an exported model (e.g. its architecture)."""
         return {}
 
+    def export_files(
+        self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
+    ) -> dict[str, tuple[str, bytes]]:
+        """The files one trained model exports: {label: (file name, bytes)}.
+
+        Default: `<model>[_lora].safetensors`, keys `pipe.<model>.<param>` (DiffSynth's layout)
+        minus `remove_prefix_in_ckpt`; `state` has peft's adapter name already removed.
+        """
+        from safetensors.torch import save
+
+        tensors = {}
+        for key, tensor in state.items():
+            if request.lora and "lora_" not in key:
+                continue
+            full = self.export_key(model_name, key)
+            if request.remove_prefix and full.startswith(request.remove_prefix):
+                full = full[len(request.remove_prefix) :]
+            tensors[full] = tensor.detach().contiguous()
+        meta = {"format": "pt", "model": model_name, "lora": str(request.lora).lower()}
+        meta.update(self.export_metadata(model_name, request.lora))
+        if request.lora:
+            meta.update(lora_rank=str(request.rank), lora_alpha=f"{request.alpha:g}")
+        name = f"{model_name}_lora.safetensors" if request.lora else f"{model_name}.safetensors"
+        return {model_name: (name, save(tensors, metadata=meta))}
+
     def sample(self, ctx: StepContext, inputs: dict[str, Any], **options: Any) -> torch.Tensor:
         """Draw images for cached prompt embeddings (validation sampling fills this in)."""
         raise NotImplementedError(f"the {self.name} family has no sampler yet")
+
+
+def index_shard_paths(index_path: str) -> list[str]:
+    """The shard files a `*.safetensors.index.json` lists (beside it), for fingerprinting."""
+    try:
+        weight_map = index_weight_map(Path(index_path).read_bytes())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{index_path}: {error}") from None
+    return [str(Path(index_path).parent / shard) for shard in sorted(set(weight_map.values()))]
 
 
 def require_file(path: str, field_name: str, hint: str = "fix the path") -> None:

@@ -232,14 +232,22 @@ def to_rgb8(img: Image.Image) -> Image.Image:
     return Image.fromarray(np.rint(gray * 255.0).astype(np.uint8)).convert("RGB")
 
 
+def center_crop_box(
+    source_width: int, source_height: int, height: int, width: int
+) -> tuple[int, int, int, int]:
+    """(scaled width, scaled height, left, top) of covering height x width, then center-cropping."""
+    scale = max(height / source_height, width / source_width)
+    new_w = max(width, round(source_width * scale))
+    new_h = max(height, round(source_height * scale))
+    return new_w, new_h, (new_w - width) // 2, (new_h - height) // 2
+
+
 def center_crop_resize(img: Image.Image, height: int, width: int) -> Image.Image:
     """Scale to cover height x width, then crop the center (DiffSynth's ImageCropAndResize)."""
     if img.size == (width, height):
         return img
-    scale = max(height / img.height, width / img.width)
-    new_w, new_h = max(width, round(img.width * scale)), max(height, round(img.height * scale))
+    new_w, new_h, left, top = center_crop_box(img.width, img.height, height, width)
     img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    left, top = (new_w - width) // 2, (new_h - height) // 2
     return img.crop((left, top, left + width, top + height))
 
 

@@ -17,6 +17,10 @@ from splitstage.splitter import UserError
 ENTRY_POINT_GROUP = "splitstage.families"
 BUILTIN_FAMILIES = {
     "demo": "splitstage.pipelines.demo.config:DemoPipelineConfig",
+    "sd": "splitstage.pipelines.diffusers_families.config:SDPipelineConfig",
+    "sdxl": "splitstage.pipelines.diffusers_families.config:SDXLPipelineConfig",
+    "sd3": "splitstage.pipelines.diffusers_families.config:SD3PipelineConfig",
+    "flux": "splitstage.pipelines.diffusers_families.config:FluxPipelineConfig",
 }
 _registered: dict[str, Any] = {}
 

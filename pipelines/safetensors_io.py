@@ -1,4 +1,4 @@
-"""The one reader of safetensors headers (JSON, never pickle): parse, sniff, re-serialize."""
+"""The one reader of safetensors headers and shard indexes (JSON, never pickle): parse, sniff."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import struct
 from typing import Any
 
 _SIZE = 8  # the header starts with its byte length, little-endian u64
+
+INDEX_SUFFIX = ".safetensors.index.json"  # what save_pretrained(max_shard_size=...) writes
 
 
 def read_header(data: bytes) -> dict[str, Any]:
@@ -23,6 +25,30 @@ def read_metadata(data: bytes) -> dict[str, str]:
 def looks_like_safetensors(head: bytes) -> bool:
     """True when bytes start like safetensors (8-byte header size, then '{'), not a zip."""
     return len(head) > _SIZE and head[:2] != b"PK" and head[_SIZE : _SIZE + 1] == b"{"
+
+
+def is_index_path(path: str) -> bool:
+    """True for a JSON path (a sharded-weights index, `*.safetensors.index.json`), by its name:
+    a JSON file is parsed as an index, never handed to a binary reader."""
+    return path.lower().endswith(".json")
+
+
+def index_weight_map(data: bytes) -> dict[str, str]:
+    """The {tensor name: shard file} map of a sharded-safetensors index's bytes; a ValueError
+    says what is wrong (not JSON, no weight_map, a non-string shard name)."""
+    try:
+        index = json.loads(data)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"is not valid JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            'has no "weight_map" object ({tensor name: shard file}) as save_pretrained writes'
+        )
+    bad = sorted(str(k) for k, v in weight_map.items() if not isinstance(v, str) or not v)
+    if bad:
+        raise ValueError(f"has a weight_map without a shard file name for {', '.join(bad[:5])}")
+    return weight_map
 
 
 def canonical(data: bytes) -> bytes:

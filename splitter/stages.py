@@ -27,10 +27,24 @@ class ModuleLayout:
 
 
 def layout_from_fqns(fqns: Sequence[str]) -> ModuleLayout:
-    """Find the repeated block run (`blocks.0 .. blocks.N-1`) in an ordered FQN list."""
+    """Find the repeated layers in an ordered FQN list: the longest region of block runs
+    (`blocks.0 .. blocks.N-1`) that follow each other directly, e.g. FLUX's
+    `transformer_blocks.*` then `single_transformer_blocks.*`, as one sequence of layers."""
     fqns = list(fqns)
     _check_unique(fqns, "module list")
-    best: tuple[int, int] = (0, 0)
+    regions = _regions(_runs(fqns))
+    if not regions:
+        raise StageAssignmentError(
+            "module list: found no repeated layers named '<prefix>.0', '<prefix>.1', ...; "
+            "list the layers in order (e.g. blocks.0,blocks.1) or give the stages explicitly"
+        )
+    start, end = max(regions, key=lambda region: region[1] - region[0])  # the first longest
+    return ModuleLayout(tuple(fqns[:start]), tuple(fqns[start:end]), tuple(fqns[end:]))
+
+
+def _runs(fqns: Sequence[str]) -> list[tuple[int, int]]:
+    """Every run `<prefix>.0, <prefix>.1, ...` in the list, as (start, end) positions in order."""
+    runs: list[tuple[int, int]] = []
     start = 0
     while start < len(fqns):
         match = _LAYER.match(fqns[start])
@@ -40,17 +54,20 @@ def layout_from_fqns(fqns: Sequence[str]) -> ModuleLayout:
         end = start + 1
         while end < len(fqns) and fqns[end] == f"{match['prefix']}.{end - start}":
             end += 1
-        if end - start > best[1] - best[0]:
-            best = (start, end)
+        runs.append((start, end))
         start = end
-    if best == (0, 0):
-        raise StageAssignmentError(
-            "module list: found no repeated layers named '<prefix>.0', '<prefix>.1', ...; "
-            "list the layers in order (e.g. blocks.0,blocks.1) or give the stages explicitly"
-        )
-    return ModuleLayout(
-        tuple(fqns[: best[0]]), tuple(fqns[best[0] : best[1]]), tuple(fqns[best[1] :])
-    )
+    return runs
+
+
+def _regions(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge runs that follow each other directly (no module between them) into one region."""
+    regions: list[tuple[int, int]] = []
+    for start, end in runs:
+        if regions and regions[-1][1] == start:
+            regions[-1] = (regions[-1][0], end)
+        else:
+            regions.append((start, end))
+    return regions
 
 
 def layout_from_count(

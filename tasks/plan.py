@@ -40,7 +40,11 @@ class JobPlan:
     def model_fingerprint(self, name: str) -> str:
         """Content hash of a model's weights file, or of the payload that identifies it."""
         source = self.family.fingerprint_source(name)
-        return file_digest(source) if isinstance(source, str) else stable_hash(source)
+        if isinstance(source, str):
+            return file_digest(source)
+        if "files" in source:  # weights files by content (memoized), never by where they are
+            source = {**source, "files": sorted(file_digest(path) for path in source["files"])}
+        return stable_hash(source)
 
     @cached_property
     def cache_key(self) -> str:

@@ -1,4 +1,4 @@
-"""Export trained weights as safetensors: LoRA or full, with a DiffSynth-style key prefix."""
+"""Export trained weights: gather them, and write the files the family lays them out as."""
 
 from __future__ import annotations
 
@@ -6,21 +6,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from splitstage.pipelines.config import SplitstageConfig
-from splitstage.pipelines.family import Family
+from splitstage.pipelines.family import ExportRequest, Family
 from splitstage.tasks.cache.storage import ensure_folder, join, write_atomic
 from splitstage.tasks.outputs import open_output
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
 
 
-def export_key(family: Family, model_name: str, key: str, remove_prefix: str) -> str:
-    """The family's key for a trained tensor (peft's adapter name dropped), minus
-    `remove_prefix_in_ckpt`."""
-    full = family.export_key(model_name, key.replace(f".{LORA_ADAPTER}.", "."))
-    return full[len(remove_prefix) :] if remove_prefix and full.startswith(remove_prefix) else full
+def request_for(config: SplitstageConfig, stage2: Stage2Models, family: Family, steps: int):
+    """What this run exports: LoRA (rank, alpha, targets) or full weights."""
+    trainable = config.trainable
+    return ExportRequest(
+        lora=stage2.lora,
+        rank=trainable.lora_rank,
+        alpha=float(trainable.lora_alpha or trainable.lora_rank),
+        targets=family.lora_targets(trainable.lora_base_model) if stage2.lora else [],
+        remove_prefix=config.output.remove_prefix_in_ckpt,
+        steps=steps,
+    )
 
 
 def trained_state(stage2: Stage2Models) -> dict[str, dict[str, torch.Tensor]]:
@@ -37,32 +42,22 @@ def export_weights(
     stage2: Stage2Models,
     spec: dict[str, Any],
     states: dict[str, dict[str, torch.Tensor]] | None = None,
+    steps: int = 0,
 ) -> dict:
-    """Write `<output>/<model>[_lora].safetensors` and `run.json`; returns their URLs (rank 0).
-
-    `states` (per model, already gathered on rank 0 by the caller) replaces `trained_state`.
-    """
+    """Write each trained model's export files (the family's layout) into the output folder;
+    returns {label: URL} (rank 0). `states` (gathered on rank 0 by the caller) replaces
+    `trained_state`."""
     states = trained_state(stage2) if states is None else states
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     url = spec["output_url"]
     fs, root = open_output(config, url)
     ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
+    request = request_for(config, stage2, family, steps)
     written = {}
     for name, state in states.items():
-        tensors = {
-            export_key(
-                family, name, key, config.output.remove_prefix_in_ckpt
-            ): t.detach().contiguous()
-            for key, t in state.items()
-            if not stage2.lora or "lora_" in key
-        }
-        file_name = f"{name}_lora.safetensors" if stage2.lora else f"{name}.safetensors"
-        meta = {"format": "pt", "model": name, "lora": str(stage2.lora).lower()}
-        meta.update(family.export_metadata(name, stage2.lora))
-        if stage2.lora:
-            meta["lora_rank"] = str(config.trainable.lora_rank)
-            meta["lora_alpha"] = str(config.trainable.lora_alpha or config.trainable.lora_rank)
-        write_atomic(fs, join(root, file_name), safetensors_bytes(tensors, metadata=meta))
-        written[name] = f"{url.rstrip('/')}/{file_name}"
+        plain = {key.replace(f".{LORA_ADAPTER}.", "."): t for key, t in state.items()}
+        for label, (file_name, data) in family.export_files(name, plain, request).items():
+            write_atomic(fs, join(root, file_name), data)
+            written[label] = f"{url.rstrip('/')}/{file_name}"
     return written

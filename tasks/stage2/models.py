@@ -57,18 +57,47 @@ def parallel_mode(config: SplitstageConfig, world_size: int) -> tuple[str, int, 
     return mode, world_size // tp, tp
 
 
+def _target_matches(target: str, module_name: str) -> bool:
+    """peft's rule: a target names a module by its full name or a dotted suffix of it."""
+    return module_name == target or module_name.endswith(f".{target}")
+
+
+def check_lora_targets(model: nn.Module, base: str, targets: list[str], rank: int) -> list[str]:
+    """Refuse targets matching no module, and a rank above a targeted layer's width."""
+    modules = list(model.named_modules())
+    matched = {t: [m for name, m in modules if _target_matches(t, name)] for t in targets}
+    unknown = [t for t, found in matched.items() if not found]
+    if unknown:
+        known = sorted({name.rsplit(".", 1)[-1] for name, m in modules if _width(m)})[:12]
+        raise ConfigError(
+            f"trainable.lora_target_modules: {', '.join(unknown)} name no module of '{base}'; "
+            f"its adaptable modules include {', '.join(known)} (a target is a module name or "
+            "a dotted suffix of one, e.g. attn.to_q)"
+        )
+    narrow = [(t, width) for t, found in matched.items() for m in found if (width := _width(m))]
+    narrow = [(t, width) for t, width in narrow if width < rank]
+    if narrow:
+        target, width = min(narrow, key=lambda item: item[1])
+        raise ConfigError(
+            f"trainable.lora_rank={rank} exceeds the width of '{target}' in '{base}' ({width}): "
+            f"a LoRA of that rank cannot be more than full rank; set lora_rank <= {width}"
+        )
+    return targets
+
+
+def _width(module: nn.Module) -> int:
+    """min(in, out) features of a layer LoRA can adapt (0 for others)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Embedding) and weight is not None:
+        return min(weight.shape[0], weight.shape[1])
+    return 0
+
+
 def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.Module:
     """Inject LoRA adapters (peft) into the target modules; only the adapters train."""
     trainable = config.trainable
     targets = family.lora_targets(trainable.lora_base_model)
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    unknown = [t for t in targets if t not in names]
-    if unknown:
-        raise ConfigError(
-            f"trainable.lora_target_modules: {', '.join(unknown)} name no module of "
-            f"'{trainable.lora_base_model}'; the family's defaults are "
-            f"{', '.join(family.default_lora_targets)}"
-        )
+    check_lora_targets(model, trainable.lora_base_model, targets, trainable.lora_rank)
     lora = LoraConfig(
         r=trainable.lora_rank,
         lora_alpha=trainable.lora_alpha or trainable.lora_rank,
@@ -107,6 +136,8 @@ def build_stage2_models(
         else:
             model.requires_grad_(True)
         parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
+        if mode in ("tp", "fsdp+tp"):
+            family.tp_prepare(model, tp)
         path, key_prefix = weights
         materialize_and_load(
             model,

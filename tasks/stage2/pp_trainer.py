@@ -204,5 +204,10 @@ class PipelineTrainer(Trainer):
         for blob in blobs or []:
             merged.update(safetensors_load(blob))
         return export_weights(
-            self.config, self.family, self.stage2, self.spec, states={denoiser: merged}
+            self.config,
+            self.family,
+            self.stage2,
+            self.spec,
+            states={denoiser: merged},
+            steps=self.total_updates,
         )

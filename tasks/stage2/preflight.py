@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.splitter import UserError
@@ -25,7 +24,7 @@ from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.outputs import open_output, output_storage_options
 from splitstage.tasks.plan import JobPlan, open_cache
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
-from splitstage.tasks.stage2.models import parallel_mode
+from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.resume import compare, run_settings
 from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
@@ -72,7 +71,7 @@ def check_models(config: SplitstageConfig, plan: JobPlan) -> None:
     family.check_models(names)
     for name in names:
         weights = family.weights_file(name)
-        if weights and weights[0].endswith(".safetensors"):
+        if weights and weights[0].endswith((".safetensors", ".safetensors.index.json")):
             meta_model = family.build_model(name, torch.device("meta"), meta=True)
             try:
                 check_weights_file(meta_model, weights[0], weights[1])
@@ -100,38 +99,6 @@ def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
     model = family.build_model(base, torch.device("meta"), meta=True)
     targets = family.lora_targets(base)
     return check_lora_targets(model, base, targets, config.trainable.lora_rank)
-
-
-def check_lora_targets(model: nn.Module, base: str, targets: list[str], rank: int) -> list[str]:
-    """Refuse targets matching no module, and a rank above a targeted layer's width."""
-    leaves: dict[str, list[nn.Module]] = {}
-    for name, module in model.named_modules():
-        leaves.setdefault(name.rsplit(".", 1)[-1], []).append(module)
-    unknown = [t for t in targets if t not in leaves]
-    if unknown:
-        known = sorted(n for n, ms in leaves.items() if any(_width(m) for m in ms))[:12]
-        raise ConfigError(
-            f"trainable.lora_target_modules: {', '.join(unknown)} name no module of '{base}'; "
-            f"its adaptable modules include {', '.join(known)}"
-        )
-    narrow = [
-        (t, width) for t in targets for m in leaves[t] if (width := _width(m)) and width < rank
-    ]
-    if narrow:
-        target, width = min(narrow, key=lambda item: item[1])
-        raise ConfigError(
-            f"trainable.lora_rank={rank} exceeds the width of '{target}' in '{base}' ({width}): "
-            f"a LoRA of that rank cannot be more than full rank; set lora_rank <= {width}"
-        )
-    return targets
-
-
-def _width(module: nn.Module) -> int:
-    """min(in, out) features of a layer LoRA can adapt (0 for others)."""
-    weight = getattr(module, "weight", None)
-    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Embedding) and weight is not None:
-        return min(weight.shape[0], weight.shape[1])
-    return 0
 
 
 def check_cache(

@@ -360,7 +360,9 @@ class Trainer:
     def export(self) -> dict[str, str]:
         """Write the trained weights (collective); rank 0 gets their URLs."""
         require_finite(self.stage2.parameters(), self.dist.device)
-        return export_weights(self.config, self.family, self.stage2, self.spec)
+        return export_weights(
+            self.config, self.family, self.stage2, self.spec, steps=self.total_updates
+        )
 
     def trained_models(self) -> list[torch.nn.Module]:
         """The modules being trained."""

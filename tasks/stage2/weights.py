@@ -1,9 +1,11 @@
-"""Load one pretrained file into a meta-initialized, already parallelized model, exactly.
+"""Load one pretrained file (or sharded safetensors index) into a meta-initialized, already
+parallelized model, exactly.
 
 Order (torchtitan's): build on the meta device -> `tasks.parallelize.parallelize` ->
 `materialize_and_load` -> train. Strategies:
 - "slices" (default, cheaper): every rank reads only its own shard of each tensor from the file
-  (safetensors `get_slice`, or an mmap'd `torch.load(weights_only=True)`), no communication.
+  (safetensors `get_slice`, or an mmap'd `torch.load(weights_only=True)`), no communication; with
+  a `*.safetensors.index.json` (save_pretrained's shards) each tensor comes from its own shard.
 - "broadcast": rank 0 reads the whole file and `set_model_state_dict` broadcasts it; use it when
   the file is on rank 0's disk only.
 Keys are matched on plain-model names: peft's `base_model.model.` prefix and `.base_layer` are
@@ -37,6 +39,7 @@ from splitstage.tasks.stage2.weights_file import (
     model_tensors,
     named,
     open_and_check,
+    tied_keys,
 )
 
 STRATEGIES = ("slices", "broadcast")
@@ -157,6 +160,8 @@ def materialize_and_load(
 ) -> LoadReport:
     """Allocate a meta model on `device` and fill it from one file; the same on every layout.
 
+    `path` is a safetensors or torch.save file, or a sharded `*.safetensors.index.json` whose
+    shards lie beside it (each rank opens only the shards holding its tensors).
     Collective: every rank calls it, and every rank raises the same error when any rank fails.
     A model that is not on the meta device is loaded in place.
     Only file keys starting with `key_prefix` are read, with the prefix removed.
@@ -175,7 +180,7 @@ def materialize_and_load(
         )
     targets = model_tensors(model)
     shapes = {key: tuple(t.shape) for key, (_, t) in targets.items()}
-    required = {key for key in shapes if not is_adapter(key)}
+    required = {key for key in shapes if not is_adapter(key)} - tied_keys(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     reads_file = strategy == "slices" or rank == 0
     file, error = None, None

@@ -1,9 +1,11 @@
-"""A pretrained weights file (safetensors or torch.save, never unpickled) checked vs a model."""
+"""A pretrained weights file (safetensors, a sharded safetensors index, or torch.save, never
+unpickled) checked against a model."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,7 +13,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
-from splitstage.pipelines.safetensors_io import looks_like_safetensors
+from splitstage.pipelines.safetensors_io import (
+    INDEX_SUFFIX,
+    index_weight_map,
+    is_index_path,
+    looks_like_safetensors,
+)
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.parallelize import logical_name
 
@@ -33,21 +40,25 @@ class WeightsFileNotFoundError(WeightsError, FileNotFoundError):
 
 
 class PretrainedFile:
-    """Lazy read access to one safetensors or torch.save file: names, shapes, regions."""
+    """Lazy read access to one safetensors or torch.save file, or to a sharded safetensors index
+    (`*.safetensors.index.json`, shards beside it, each opened on first use): names, shapes,
+    regions."""
 
     def __init__(self, path: str, key_prefix: str) -> None:
+        _check_path(path)
         self.path = path
         self.key_prefix = key_prefix
-        self._safe = None
         self._tensors: dict[str, torch.Tensor] = {}
-        if _is_safetensors(path):
-            from safetensors import safe_open
-
-            self._safe = safe_open(path, framework="pt", device="cpu")
-            names = list(self._safe.keys())
+        self._shard_of: dict[str, str] = {}  # safetensors tensor name -> its file
+        self._open: dict[str, Any] = {}  # safetensors file -> its safe_open handle
+        if is_index_path(path):
+            self._shard_of = _read_index(path)
+        elif _is_safetensors(path):
+            self._open[path] = _safe_open(path, f"weights file {path}")
+            self._shard_of = dict.fromkeys(self._open[path].keys(), path)
         else:
             self._tensors = _flatten(_torch_load(path))
-            names = list(self._tensors)
+        names = [*self._shard_of, *self._tensors]
         self.all_keys = names
         # model key -> file key, for the file keys under key_prefix.
         self.keys = {k[len(key_prefix) :]: k for k in names if k.startswith(key_prefix)}
@@ -55,19 +66,96 @@ class PretrainedFile:
     def shape(self, key: str) -> tuple[int, ...]:
         """Global shape of a tensor, read from the header only."""
         name = self.keys[key]
-        if self._safe is not None:
-            return tuple(self._safe.get_slice(name).get_shape())
-        return tuple(self._tensors[name].shape)
+        if name in self._tensors:
+            return tuple(self._tensors[name].shape)
+        return tuple(self._handle(name).get_slice(name).get_shape())
 
     def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A tensor, or only `region` of it (reads only those bytes)."""
         name = self.keys[key]
-        if self._safe is not None:
-            if region is None or len(region) == 0:
-                return self._safe.get_tensor(name)
-            return self._safe.get_slice(name)[region]
-        tensor = self._tensors[name]
-        return tensor if region is None else tensor[region]
+        if name in self._tensors:
+            tensor = self._tensors[name]
+            return tensor if region is None else tensor[region]
+        if region is None or len(region) == 0:
+            return self._handle(name).get_tensor(name)
+        return self._handle(name).get_slice(name)[region]
+
+    def _handle(self, name: str):
+        """The safe_open handle of the file holding `name`; an index's shard opens once, here."""
+        shard = self._shard_of[name]
+        if shard not in self._open:
+            self._open[shard] = self._open_shard(shard)
+        return self._open[shard]
+
+    def _open_shard(self, shard: str):
+        """Open one shard of the index, checking it holds every tensor the weight_map gives it."""
+        where = f"weights index {self.path}: shard {os.path.basename(shard)}"
+        if not _is_safetensors(shard):
+            raise WeightsError(
+                f"{where} is not a safetensors file; re-save the shards as safetensors"
+            )
+        handle = _safe_open(shard, where)
+        listed = {n for n, s in self._shard_of.items() if s == shard}
+        absent = listed - set(handle.keys())
+        if absent:
+            raise WeightsError(
+                f"{where} lacks {len(absent)} tensor(s) its weight_map puts there: "
+                f"{named(absent)}; the index and its shards do not match (re-download or "
+                "re-save them together)"
+            )
+        return handle
+
+
+def _check_path(path: str) -> None:
+    """One line for a path that is not a file: missing, or a folder (name what to point at)."""
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        found = [n for n in names if n.endswith(INDEX_SUFFIX)]
+        found = found or [n for n in names if n.endswith(".safetensors")]
+        seen = f" (it holds {named(found)})" if found else ""
+        raise WeightsError(
+            f"pretrained weights path {path} is a directory{seen}; point at the .safetensors "
+            f"file or the {INDEX_SUFFIX} of the sharded weights"
+        )
+    if not os.path.isfile(path):
+        raise WeightsFileNotFoundError(
+            f"pretrained weights file {path} does not exist; check the weights path in the config"
+        )
+
+
+def _read_index(path: str) -> dict[str, str]:
+    """A sharded index's {tensor name: shard path}, every shard file present beside it."""
+    with open(path, "rb") as f:
+        try:
+            weight_map = index_weight_map(f.read())
+        except ValueError as exc:
+            raise WeightsError(f"weights index {path} {exc}") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    shards = set(weight_map.values())
+    outside = [s for s in shards if os.path.isabs(s) or ".." in s.replace("\\", "/").split("/")]
+    if outside:
+        raise WeightsError(
+            f"weights index {path}: shard files must lie beside the index, not {named(outside)}"
+        )
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        files, verb = ("shard files", "do") if len(missing) > 1 else ("shard file", "does")
+        raise WeightsError(
+            f"weights index {path}: {files} {named(missing)} listed in its weight_map {verb} "
+            f"not exist in {folder}; download every shard next to the index"
+        )
+    return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+
+
+def _safe_open(path: str, where: str):
+    """safetensors' lazy reader of a file; a corrupt header is a one-line WeightsError."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:  # SafetensorError: a bad header or a truncated file
+        reason = " ".join(str(exc).split())  # one line
+        raise WeightsError(f"{where} is not a readable safetensors file: {reason}") from None
 
 
 def _is_safetensors(path: str) -> bool:
@@ -168,12 +256,24 @@ def model_tensors(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
+def tied_keys(model: nn.Module) -> set[str]:
+    """Logical keys of parameters tied to another (T5's embed_tokens = shared): a weights file
+    may omit them, and the model's `tie_weights` (the family's buffers_init) restores them."""
+    tied: set[str] = set()
+    seen: set[int] = set()
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(logical_name(fqn))
+        seen.add(id(param))
+    for prefix, module in model.named_modules():
+        declared = getattr(module, "_tied_weights_keys", None)
+        if isinstance(declared, dict):  # transformers 5: {tied key: source key}
+            tied.update(logical_name(f"{prefix}.{k}" if prefix else k) for k in declared)
+    return tied
+
+
 def open_and_check(path, key_prefix, shapes, required, ignore_unexpected) -> PretrainedFile:
-    """Open the file and validate its keys and shapes against the model."""
-    if not os.path.isfile(path):
-        raise WeightsFileNotFoundError(
-            f"pretrained weights file {path} does not exist; check the weights path in the config"
-        )
+    """Open the file (or sharded index) and validate its keys and shapes against the model."""
     file = PretrainedFile(path, key_prefix)
     _check_keys(file, shapes, required, ignore_unexpected)
     return file
@@ -184,5 +284,5 @@ def check_weights_file(model: nn.Module, path: str | os.PathLike, key_prefix: st
     lets a launcher refuse a wrong file before any process starts."""
     targets = model_tensors(model)
     shapes = {key: tuple(t.shape) for key, (_, t) in targets.items()}
-    required = {key for key in shapes if not is_adapter(key)}
+    required = {key for key in shapes if not is_adapter(key)} - tied_keys(model)
     open_and_check(os.fspath(path), key_prefix, shapes, required, False)

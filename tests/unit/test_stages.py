@@ -204,3 +204,93 @@ def test_module_list_without_layers_is_refused():
         layout_from_fqns(["embed", "head"])
     with pytest.raises(StageAssignmentError, match="listed twice"):
         layout_from_fqns(["embed", "blocks.0", "embed"])
+
+
+FLUX_INPUTS = ["pos_embed", "time_text_embed", "context_embedder", "x_embedder"]
+FLUX_DOUBLE = [f"transformer_blocks.{i}" for i in range(19)]
+FLUX_SINGLE = [f"single_transformer_blocks.{i}" for i in range(38)]
+FLUX = [*FLUX_INPUTS, *FLUX_DOUBLE, *FLUX_SINGLE, "norm_out", "proj_out"]
+SD3 = [
+    "pos_embed",
+    "time_text_embed",
+    "context_embedder",
+    *[f"transformer_blocks.{i}" for i in range(24)],
+    "norm_out",
+    "proj_out",
+]
+
+
+def test_adjacent_runs_are_one_sequence_of_layers():
+    layout = layout_from_fqns(FLUX)
+    assert layout.inputs == tuple(FLUX_INPUTS)
+    assert layout.layers == tuple(FLUX_DOUBLE + FLUX_SINGLE)
+    assert layout.outputs == ("norm_out", "proj_out")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_two_run_layout_splits_anywhere_in_either_run(stages):
+    layout = layout_from_fqns(FLUX)
+    parts = assign_stages(layout, stages)
+    assert len(parts) == stages
+    assert flat(parts) == FLUX  # every module exactly once, each stage contiguous, in order
+    assert validate_stages(parts, layout.modules) == parts
+    sizes = [sum(fqn in layout.layers for fqn in part) for part in parts]
+    assert sum(sizes) == 57 and max(sizes) - min(sizes) <= 2  # balanced across both runs
+    assert parts[0][: len(FLUX_INPUTS)] == FLUX_INPUTS and parts[-1][-2:] == [
+        "norm_out",
+        "proj_out",
+    ]
+
+
+def test_a_stage_may_hold_the_end_of_one_run_and_the_start_of_the_next():
+    parts = assign_stages(layout_from_fqns(FLUX), 3)  # 57 + 1 + 1 = 59 -> 20, 20, 19
+    assert parts[0] == FLUX_INPUTS + FLUX_DOUBLE[:19]
+    assert parts[1] == FLUX_SINGLE[:20]
+    assert parts[2] == FLUX_SINGLE[20:] + ["norm_out", "proj_out"]
+    parts = assign_stages(layout_from_fqns(FLUX), 2)  # 59 -> 30, 29
+    assert parts[0] == FLUX_INPUTS + FLUX_DOUBLE + FLUX_SINGLE[:10]
+    assert parts[1] == FLUX_SINGLE[10:] + ["norm_out", "proj_out"]
+
+
+def test_user_stages_across_the_two_runs_are_accepted():
+    layout = layout_from_fqns(FLUX)
+    parts = [FLUX[:10], FLUX[10 : 4 + 19 + 6], FLUX[4 + 19 + 6 :]]
+    assert parts[1][-7:] == ["transformer_blocks.18", *FLUX_SINGLE[:6]]
+    assert validate_stages(parts, layout.modules) == parts
+
+
+def test_single_run_layout_is_unchanged():
+    layout = layout_from_fqns(SD3)
+    assert layout.inputs == ("pos_embed", "time_text_embed", "context_embedder")
+    assert layout.layers == tuple(f"transformer_blocks.{i}" for i in range(24))
+    assert layout.outputs == ("norm_out", "proj_out")
+    assert assign_stages(layout, 4) == assign_stages(
+        layout_from_count(24, "transformer_blocks", layout.inputs, layout.outputs), 4
+    )
+
+
+def test_one_block_runs_are_merged_too():
+    fqns = ["x_embedder", "transformer_blocks.0", "single_transformer_blocks.0", "proj_out"]
+    layout = layout_from_fqns(fqns)
+    assert layout.layers == ("transformer_blocks.0", "single_transformer_blocks.0")
+
+
+def test_runs_separated_by_a_module_keep_the_longest_region():
+    down = [f"down.{i}" for i in range(3)]
+    up = [f"up.{i}" for i in range(4)]
+    layout = layout_from_fqns(["conv_in", *down, "mid", *up, "conv_out"])
+    assert layout.inputs == ("conv_in", *down, "mid")
+    assert layout.layers == tuple(up)
+    assert layout.outputs == ("conv_out",)
+    # An adjacent pair outweighs a longer single run elsewhere.
+    a, b, c = ([f"{p}.{i}" for i in range(n)] for p, n in (("a", 3), ("b", 3), ("c", 5)))
+    layout = layout_from_fqns(["embed", *c, "mid", *a, *b, "head"])
+    assert layout.inputs == ("embed", *c, "mid")
+    assert layout.layers == tuple(a + b)
+    assert layout.outputs == ("head",)
+
+
+def test_equal_regions_keep_the_first():
+    layout = layout_from_fqns(["embed", "a.0", "a.1", "mid", "b.0", "b.1", "head"])
+    assert layout.layers == ("a.0", "a.1")
+    assert layout.outputs == ("mid", "b.0", "b.1", "head")

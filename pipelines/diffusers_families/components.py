@@ -1,0 +1,145 @@
+"""Building diffusers / transformers components from a folder: loaded and frozen, or on meta."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from splitstage.pipelines.config import ConfigError
+from splitstage.pipelines.diffusers_families.folder import Component
+from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
+
+LIBRARIES = ("diffusers", "transformers")
+
+
+def component_class(component: Component) -> type[nn.Module]:
+    """The model class model_index.json names, from diffusers or transformers."""
+    if component.library not in LIBRARIES:
+        raise ConfigError(
+            f"models.{component.name}: model_index.json names library {component.library!r}; "
+            f"only {', '.join(LIBRARIES)} components are built"
+        )
+    module = importlib.import_module(component.library)
+    try:
+        return getattr(module, component.class_name)
+    except AttributeError:
+        raise ConfigError(
+            f"models.{component.name}: {component.library} has no class {component.class_name} "
+            "(model_index.json); upgrade it or fix the folder"
+        ) from None
+
+
+def build_empty(component: Component) -> nn.Module:
+    """The component's architecture with parameters on the meta device (no weights read).
+
+    Buffers are built for real (accelerate's `init_empty_weights`), and the non-persistent ones
+    (CLIP's position ids, SD3's positional table, ...) are kept aside: no weights file holds
+    them, and `to_empty` turns them into garbage, so `init_buffers` puts them back.
+    """
+    from accelerate import init_empty_weights
+
+    cls = component_class(component)
+    with init_empty_weights(include_buffers=False):
+        if component.library == "diffusers":
+            model = cls.from_config(cls.load_config(component.config_dir))
+        else:
+            model = cls(cls.config_class.from_pretrained(component.config_dir))
+    model._splitstage_buffers = {
+        f"{prefix}.{name}" if prefix else name: buffer.clone()
+        for prefix, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name in module._non_persistent_buffers_set
+    }
+    return model
+
+
+def read_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a .safetensors file or of the shards a .safetensors.index.json lists."""
+    if is_index_path(str(path)):
+        try:
+            weight_map = index_weight_map(path.read_bytes())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{path} {error}") from None
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(read_state(path.parent / shard))
+        return state
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Put back the non-persistent buffers `build_empty` kept; re-tie T5's embeddings."""
+    saved = getattr(model, "_splitstage_buffers", {})
+    with torch.no_grad():
+        for fqn, value in saved.items():
+            prefix, _, name = fqn.rpartition(".")
+            module = model.get_submodule(prefix)
+            current = module._buffers[name]
+            module._buffers[name] = value.to(device=current.device, dtype=current.dtype)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie) and not hasattr(model, "register_to_config"):  # transformers models only
+        tie()
+
+
+def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The component built on meta, loaded from its weights (exactly: strict keys), frozen."""
+    model = build_empty(component)
+    state = read_state(component.weights)
+    missing, unexpected = _match_keys(model, state)
+    if missing or unexpected:
+        raise ConfigError(
+            f"models.{component.name}: {component.weights} does not fit {component.class_name} "
+            f"(missing {_few(missing)}; unexpected {_few(unexpected)}); it must be a diffusers-"
+            "layout state dict of this architecture (original-layout checkpoints need converting)"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    init_buffers(model)
+    model.to(device=device, dtype=dtype)
+    _check_materialized(model, component)
+    return model.eval().requires_grad_(False)
+
+
+def _match_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Model keys the file lacks (tied copies excused) and file keys the model lacks."""
+    expected = set(model.state_dict())
+    tied = _tied_keys(model)
+    missing = sorted(k for k in expected - set(state) if k not in tied)
+    unexpected = sorted(set(state) - expected)
+    return missing, unexpected
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """Parameter names sharing storage with another name (e.g. T5's embed_tokens = shared)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        else:
+            seen[id(param)] = name
+    declared = getattr(model, "_tied_weights_keys", None) or ()
+    if isinstance(declared, dict):
+        declared = list(declared)
+    return tied | {k for k in declared if isinstance(k, str)}
+
+
+def _check_materialized(model: nn.Module, component: Component) -> None:
+    """No tensor is still on meta after loading (a tied key the file lacked, left empty)."""
+    left = [name for name, t in model.state_dict().items() if t.is_meta]
+    if left:
+        raise ConfigError(
+            f"models.{component.name}: {component.weights} lacks {_few(left)} of "
+            f"{component.class_name}; give the complete weights"
+        )
+
+
+def _few(keys: list[str], limit: int = 3) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more

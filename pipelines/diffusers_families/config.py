@@ -1,0 +1,142 @@
+"""The `[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux (torch-free)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import model_validator
+
+from splitstage.pipelines.pipeline_config import PipelineConfig, setting
+
+FAMILY_MODULE = "splitstage.pipelines.diffusers_families"
+FlowWeighting = Literal["none", "logit_normal", "uniform", "mode", "sigma_sqrt", "cosmap"]
+
+
+class DiffusersPipelineConfig(PipelineConfig):
+    """Settings every diffusers family shares: the folder, the image size, prompts, latents."""
+
+    # Latents are 1/8 of the pixels; the transformer families patch 2x2 on top of that.
+    pixel_multiple: ClassVar[int] = 8
+
+    pretrained: str = setting(
+        ...,
+        stage1=False,  # the weights' content enters the cache key, not where they are
+        min_length=1,
+        description="A local diffusers folder (model_index.json + component subfolders).",
+    )
+    resolution: int = setting(
+        512, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    caption_dropout: float = setting(
+        0.0,
+        stage1=False,
+        ge=0.0,
+        le=1.0,
+        description="Per-step chance to train on the empty prompt's embeddings instead.",
+    )
+    vae_latents: Literal["sample", "mean"] = setting(
+        "sample",
+        stage1=True,
+        description="'sample': cache the VAE's latent distribution and draw a latent every step "
+        "(as unsplit training does); 'mean': cache its mean only (half the latent storage).",
+    )
+
+    @model_validator(mode="after")
+    def _resolution_multiple(self) -> DiffusersPipelineConfig:
+        if self.resolution % self.pixel_multiple:
+            raise ValueError(
+                f"resolution: {self.resolution} is not a multiple of {self.pixel_multiple} "
+                f"(the {self.name} VAE and denoiser need it); use "
+                f"{self.resolution // self.pixel_multiple * self.pixel_multiple}"
+            )
+        return self
+
+
+class UNetRecipe(DiffusersPipelineConfig):
+    """DDPM training of a UNet (diffusers' train_text_to_image recipe)."""
+
+    max_prompt_length: int = setting(
+        77, stage1=True, ge=1, le=77, description="CLIP prompt tokens (77 at most)."
+    )
+    prediction_type: Literal["scheduler", "epsilon", "v_prediction"] = setting(
+        "scheduler",
+        stage1=False,
+        description="Training target; 'scheduler': the scheduler config's prediction_type.",
+    )
+    min_snr_gamma: float | None = setting(
+        None, stage1=False, gt=0, description="Min-SNR loss weighting gamma (5.0 is usual)."
+    )
+    noise_offset: float = setting(
+        0.0, stage1=False, ge=0.0, le=1.0, description="Per-channel noise offset (e.g. 0.05)."
+    )
+
+
+class FlowRecipe(DiffusersPipelineConfig):
+    """Flow-matching training of a transformer (diffusers' SD3 / FLUX DreamBooth recipes)."""
+
+    pixel_multiple: ClassVar[int] = 16
+
+    max_prompt_length: int = setting(
+        256, stage1=True, ge=1, le=512, description="T5 prompt tokens (CLIP always takes 77)."
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "logit_normal",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names).",
+    )
+    logit_mean: float = setting(0.0, stage1=False, description="logit_normal density mean.")
+    logit_std: float = setting(1.0, stage1=False, gt=0, description="logit_normal density std.")
+    mode_scale: float = setting(1.29, stage1=False, description="'mode' density scale.")
+
+
+class SDPipelineConfig(UNetRecipe):
+    """Stable Diffusion 1.x / 2.x: CLIP text encoder, UNet, DDPM (epsilon or v-prediction)."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.sd:SDFamily"
+    name: Literal["sd"] = "sd"
+
+
+class SDXLPipelineConfig(UNetRecipe):
+    """Stable Diffusion XL: two CLIP encoders, the pooled embedding and size/crop time ids."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.sdxl:SDXLFamily"
+    name: Literal["sdxl"] = "sdxl"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+
+
+class SD3PipelineConfig(FlowRecipe):
+    """Stable Diffusion 3 / 3.5: CLIP-L, CLIP-G and (optionally) T5; MMDiT; flow matching."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.sd3:SD3Family"
+    name: Literal["sd3"] = "sd3"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    use_t5: bool = setting(
+        True,
+        stage1=True,
+        description="Encode prompts with T5 too; false: zeros in its place (as SD3 allows).",
+    )
+
+
+class FluxPipelineConfig(FlowRecipe):
+    """FLUX.1: CLIP pooled + T5 prompts, packed 2x2 latents, guidance embedding, flow matching."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.flux:FluxFamily"
+    name: Literal["flux"] = "flux"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    max_prompt_length: int = setting(
+        512, stage1=True, ge=1, le=512, description="T5 prompt tokens (CLIP always takes 77)."
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "none",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names).",
+    )
+    guidance_scale: float = setting(
+        3.5, stage1=False, ge=0.0, description="Guidance the model is told (guidance-distilled)."
+    )

@@ -1,0 +1,365 @@
+"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX) in Hub layout, offline.
+
+`write_tiny_folder(kind, folder)` saves what `XPipeline.save_pretrained(folder)` writes for a real
+checkpoint of that family (model_index.json, one subfolder per component, tokenizers, scheduler
+config), with components 1000x or more smaller, so tests and demos load, split and train real
+diffusers/transformers classes in seconds without the network. Run
+`python -m splitstage.tiny_diffusers KIND FOLDER [--seed N] [--max-shard-size S]` to write one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import string
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+KINDS = ("sd", "sd2", "sdxl", "sd3", "flux")
+
+CLIP_MAX_LENGTH = 77
+T5_MAX_LENGTH = 512
+SD_SCHEDULE = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
+SD_SCHEDULE |= {"num_train_timesteps": 1000, "steps_offset": 1}
+SD_VAE_BLOCKS = 4  # 3 downsamplings: latents are 1/8 of the image side, as in every real VAE here
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for bytes (GPT-2/CLIP's bytes_to_unicode)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+
+def clip_vocab() -> dict[str, int]:
+    """A CLIP BPE vocab without merges: every byte alone and as word end, then the two specials."""
+    symbols = _byte_symbols()
+    tokens = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
+    return {token: i for i, token in enumerate(tokens)}
+
+
+def clip_tokenizer() -> Any:
+    """A CLIPTokenizer built in memory (514 ids): any text encodes, one id per byte."""
+    from transformers import CLIPTokenizer
+
+    return CLIPTokenizer(vocab=clip_vocab(), merges=[], model_max_length=CLIP_MAX_LENGTH)
+
+
+def t5_vocab() -> list[tuple[str, float]]:
+    """A Unigram vocab in T5's order (<pad> 0, </s> 1, <unk> 2), then '▁', '▁'+char, and chars."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + c, -3.0) for c in string.ascii_lowercase + string.digits]
+    pieces += [(c, -4.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    return pieces
+
+
+def t5_tokenizer() -> Any:
+    """A T5Tokenizer built in memory (134 ids, no sentinels); unknown characters map to <unk>."""
+    from transformers import T5Tokenizer
+
+    return T5Tokenizer(vocab=t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
+
+
+# ---------------------------------------------------------------- text encoders
+
+
+def _clip_text(hidden: int, *, projection: bool, act: str = "quick_gelu") -> Any:
+    """A 2-layer CLIP text model over `clip_vocab()` (with a projection head when `projection`)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    vocab = len(clip_vocab())
+    config = CLIPTextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        hidden_act=act,
+        bos_token_id=vocab - 2,
+        eos_token_id=vocab - 1,
+        pad_token_id=vocab - 1,
+    )
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+
+
+def _t5_encoder(d_model: int = 32) -> Any:
+    """A 2-layer T5 v1.1-style encoder (gated GELU, untied head) over `t5_vocab()`."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(t5_vocab()),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config)
+
+
+# ---------------------------------------------------------------- VAE, denoisers, schedulers
+
+
+def _vae(latent_channels: int, scaling: float, shift: float | None = None) -> Any:
+    """A 4-block AutoencoderKL (x8 downsampling); SD3/FLUX style (no quant convs) when `shift`."""
+    from diffusers import AutoencoderKL
+
+    flow = shift is not None
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * SD_VAE_BLOCKS,
+        up_block_types=("UpDecoderBlock2D",) * SD_VAE_BLOCKS,
+        block_out_channels=(16, 16, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=latent_channels,
+        sample_size=64,
+        scaling_factor=scaling,
+        shift_factor=shift,
+        use_quant_conv=not flow,
+        use_post_quant_conv=not flow,
+    )
+
+
+def _unet(cross_attention_dim: int, **overrides: Any) -> Any:
+    """A 2-level UNet2DConditionModel for 64 px images (8x8 latents, 4 channels)."""
+    from diffusers import UNet2DConditionModel
+
+    config: dict[str, Any] = {
+        "sample_size": 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "block_out_channels": (32, 64),
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+        "attention_head_dim": 2,
+        "cross_attention_dim": cross_attention_dim,
+    }
+    return UNet2DConditionModel(**(config | overrides))
+
+
+def _sdxl_unet(text_dims: tuple[int, int], pooled_dim: int, time_dim: int = 8) -> Any:
+    """SDXL's UNet layout in small: plain first block, text_time added conditioning, linear proj."""
+    return _unet(
+        sum(text_dims),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        transformer_layers_per_block=(1, 2),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=6 * time_dim + pooled_dim,
+    )
+
+
+def _sd3_transformer(joint_dim: int, pooled_dim: int) -> Any:
+    """A 2-block MMDiT (SD3Transformer2DModel) on 16-channel latents, 2x2 patches."""
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=joint_dim,
+        caption_projection_dim=32,
+        pooled_projection_dim=pooled_dim,
+        pos_embed_max_size=16,
+    )
+
+
+def _flux_transformer(joint_dim: int, pooled_dim: int) -> Any:
+    """A FLUX.1-dev-like transformer: 2 double + 2 single blocks, guidance embedding, packed 2x2."""
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * 16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=joint_dim,
+        pooled_projection_dim=pooled_dim,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def _ddpm(prediction_type: str) -> Any:
+    """SD 1.5/2.x's training schedule (scaled_linear betas, no sample clipping)."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(**SD_SCHEDULE, clip_sample=False, prediction_type=prediction_type)
+
+
+def _euler() -> Any:
+    """SDXL base's scheduler config (EulerDiscrete, leading spacing, epsilon)."""
+    from diffusers import EulerDiscreteScheduler
+
+    return EulerDiscreteScheduler(
+        **SD_SCHEDULE, prediction_type="epsilon", timestep_spacing="leading"
+    )
+
+
+def _flow_match(*, dynamic: bool) -> Any:
+    """SD3's (shift 3) or FLUX.1-dev's (dynamic resolution shift) flow-matching scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if not dynamic:
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
+# ---------------------------------------------------------------- pipelines
+
+
+Builders = dict[str, Callable[[], Any]]
+
+
+def _sd_parts(v_prediction: bool) -> tuple[str, Builders, dict[str, Any]]:
+    """StableDiffusionPipeline parts (SD 2.x: v-prediction, GELU text encoder, linear proj)."""
+    sd2 = {"attention_head_dim": (2, 4), "use_linear_projection": True, "upcast_attention": True}
+    builders: Builders = {
+        "unet": lambda: _unet(32, **(sd2 if v_prediction else {})),
+        "vae": lambda: _vae(4, 0.18215),
+        "text_encoder": lambda: _clip_text(
+            32, projection=False, act="gelu" if v_prediction else "quick_gelu"
+        ),
+        "tokenizer": clip_tokenizer,
+        "scheduler": lambda: _ddpm("v_prediction" if v_prediction else "epsilon"),
+    }
+    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    return "StableDiffusionPipeline", builders, extra
+
+
+def _sdxl_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """StableDiffusionXLPipeline parts: CLIP (32) + CLIP with projection (48) feed the UNet."""
+    builders: Builders = {
+        "unet": lambda: _sdxl_unet((32, 48), pooled_dim=48),
+        "vae": lambda: _vae(4, 0.13025),
+        "text_encoder": lambda: _clip_text(32, projection=False),
+        "text_encoder_2": lambda: _clip_text(48, projection=True, act="gelu"),
+        "tokenizer": clip_tokenizer,
+        "tokenizer_2": clip_tokenizer,
+        "scheduler": _euler,
+    }
+    extra = {"image_encoder": None, "feature_extractor": None, "force_zeros_for_empty_prompt": True}
+    return "StableDiffusionXLPipeline", builders, extra
+
+
+def _sd3_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """StableDiffusion3Pipeline parts: 2 CLIPs (16 + 16 <= T5's 32, padded) and a T5 encoder."""
+    builders: Builders = {
+        "transformer": lambda: _sd3_transformer(joint_dim=32, pooled_dim=16 + 16),
+        "vae": lambda: _vae(16, 1.5305, shift=0.0609),
+        "text_encoder": lambda: _clip_text(16, projection=True),
+        "text_encoder_2": lambda: _clip_text(16, projection=True, act="gelu"),
+        "text_encoder_3": lambda: _t5_encoder(32),
+        "tokenizer": clip_tokenizer,
+        "tokenizer_2": clip_tokenizer,
+        "tokenizer_3": t5_tokenizer,
+        "scheduler": lambda: _flow_match(dynamic=False),
+    }
+    return "StableDiffusion3Pipeline", builders, {"image_encoder": None, "feature_extractor": None}
+
+
+def _flux_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """FluxPipeline parts: CLIP (pooled 32) and T5 (32) feed a guidance-distilled transformer."""
+    builders: Builders = {
+        "transformer": lambda: _flux_transformer(joint_dim=32, pooled_dim=32),
+        "vae": lambda: _vae(16, 0.3611, shift=0.1159),
+        "text_encoder": lambda: _clip_text(32, projection=False),
+        "text_encoder_2": lambda: _t5_encoder(32),
+        "tokenizer": clip_tokenizer,
+        "tokenizer_2": t5_tokenizer,
+        "scheduler": lambda: _flow_match(dynamic=True),
+    }
+    return "FluxPipeline", builders, {"image_encoder": None, "feature_extractor": None}
+
+
+PARTS = {
+    "sd": lambda: _sd_parts(v_prediction=False),
+    "sd2": lambda: _sd_parts(v_prediction=True),
+    "sdxl": _sdxl_parts,
+    "sd3": _sd3_parts,
+    "flux": _flux_parts,
+}
+
+
+def build_pipeline(kind: str, *, seed: int = 0) -> Any:
+    """The tiny pipeline of `kind` in memory; torch is reseeded with `seed` before each part."""
+    import diffusers
+    import torch
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    class_name, builders, extra = PARTS[kind]()
+    components = {}
+    for name, build in builders.items():
+        torch.manual_seed(seed)
+        components[name] = build()
+    return getattr(diffusers, class_name)(**components, **extra)
+
+
+def write_tiny_folder(
+    kind: str, folder: str | Path, *, seed: int = 0, max_shard_size: str | None = None
+) -> Path:
+    """Write a tiny random-weight diffusers folder of `kind` at `folder`; returns the folder."""
+    folder = Path(folder)
+    pipe = build_pipeline(kind, seed=seed)
+    for name in pipe.components:  # no stale shards or index from an earlier write survive
+        shutil.rmtree(folder / name, ignore_errors=True)
+    pipe.save_pretrained(folder)
+    if max_shard_size is not None:
+        name = "unet" if hasattr(pipe, "unet") else "transformer"
+        shutil.rmtree(folder / name)
+        getattr(pipe, name).save_pretrained(folder / name, max_shard_size=max_shard_size)
+    return folder
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: write one tiny folder and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m splitstage.tiny_diffusers")
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-shard-size", default=None, help="shard the denoiser, e.g. 20KB")
+    args = parser.parse_args(argv)
+    print(
+        write_tiny_folder(
+            args.kind, args.folder, seed=args.seed, max_shard_size=args.max_shard_size
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
