@@ -32,6 +32,8 @@ from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline, Unit
 
 STEP_PARAMS = ("latents", "timestep", "noise")
+CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+T5_LORA_TARGETS = ("q", "k", "v", "o")
 
 
 def frozen_dtype(device: torch.device) -> torch.dtype:
@@ -221,6 +223,14 @@ class DiffusersFamily(Family):
         return next(ctx.model(self.denoiser, "model_fn").parameters()).dtype
 
     # -- hooks -----------------------------------------------------------------------------------
+    def lora_targets(self, name: str) -> list[str]:
+        """The config's targets, else the usual ones of the model: the denoiser's, CLIP's
+        attention (q/k/v/out_proj) or T5's (q/k/v/o), as diffusers' training examples adapt."""
+        if self.config.trainable.lora_target_modules or not name.startswith("text_encoder"):
+            return super().lora_targets(name)
+        t5 = self.folder.component(name).class_name.startswith("T5")
+        return list(T5_LORA_TARGETS if t5 else CLIP_LORA_TARGETS)
+
     def pp_module_fqns(self, model: nn.Module) -> list[str]:
         """Top-level modules in forward order (the transformer families give theirs)."""
         return super().pp_module_fqns(model)

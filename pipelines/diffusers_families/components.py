@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from splitstage.pipelines.config import ConfigError
-from splitstage.pipelines.diffusers_families.folder import Component
 from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
 
 LIBRARIES = ("diffusers", "transformers")
+
+
+class Component(Protocol):
+    """What building needs of a component (folder.Component is one; folder checks overrides
+    with `check_fits`, so this module does not import the folder)."""
+
+    name: str
+    library: str
+    class_name: str
+    config_dir: Path
+    weights: Path | None
+
+    @property
+    def source(self) -> str: ...
+
+    def weight_files(self) -> list[Path]: ...
 
 
 def component_class(component: Component) -> type[nn.Module]:
@@ -43,11 +59,18 @@ def build_empty(component: Component) -> nn.Module:
     from accelerate import init_empty_weights
 
     cls = component_class(component)
-    with init_empty_weights(include_buffers=False):
-        if component.library == "diffusers":
-            model = cls.from_config(cls.load_config(component.config_dir))
-        else:
-            model = cls(cls.config_class.from_pretrained(component.config_dir))
+    try:
+        with init_empty_weights(include_buffers=False):
+            if component.library == "diffusers":
+                model = cls.from_config(cls.load_config(component.config_dir))
+            else:
+                model = cls(cls.config_class.from_pretrained(component.config_dir))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:
+        raise ConfigError(
+            f"{component.source}: cannot build {component.class_name} from "
+            f"{component.config_dir / 'config.json'} ({_first_line(error)}); fix that config.json "
+            "or use the one diffusers saved with the weights"
+        ) from None
     model._splitstage_buffers = {
         f"{prefix}.{name}" if prefix else name: buffer.clone()
         for prefix, module in model.named_modules()
@@ -68,8 +91,38 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
         for shard in sorted(set(weight_map.values())):
             state.update(read_state(path.parent / shard))
         return state
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as error:
+        reason = _first_line(error)
+        raise ConfigError(f"{path}: not a readable safetensors file ({reason})") from None
+
+
+def file_shapes(component: Component) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the component's weights files, from their headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in component.weight_files():
+        if is_index_path(str(path)):
+            continue
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (OSError, SafetensorError) as error:
+            raise ConfigError(
+                f"{component.source}: {path} is not a readable safetensors file "
+                f"({_first_line(error)}); give the weights as diffusers saves them"
+            ) from None
+    return shapes
+
+
+def check_fits(component: Component) -> None:
+    """The weights files hold exactly the architecture's tensors, shapes included (headers only:
+    an override that does not fit is refused before anything is launched)."""
+    model = build_empty(component)
+    shapes = file_shapes(component)
+    _refuse_misfit(component, model, shapes)
 
 
 def init_buffers(model: nn.Module) -> None:
@@ -90,13 +143,7 @@ def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) 
     """The component built on meta, loaded from its weights (exactly: strict keys), frozen."""
     model = build_empty(component)
     state = read_state(component.weights)
-    missing, unexpected = _match_keys(model, state)
-    if missing or unexpected:
-        raise ConfigError(
-            f"models.{component.name}: {component.weights} does not fit {component.class_name} "
-            f"(missing {_few(missing)}; unexpected {_few(unexpected)}); it must be a diffusers-"
-            "layout state dict of this architecture (original-layout checkpoints need converting)"
-        )
+    _refuse_misfit(component, model, {key: tuple(t.shape) for key, t in state.items()})
     model.load_state_dict(state, strict=False, assign=True)
     init_buffers(model)
     model.to(device=device, dtype=dtype)
@@ -104,7 +151,31 @@ def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) 
     return model.eval().requires_grad_(False)
 
 
-def _match_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+def _refuse_misfit(
+    component: Component, model: nn.Module, shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """One line when the file's keys or shapes are not the architecture's."""
+    missing, unexpected = _match_keys(model, shapes)
+    expected = model.state_dict()
+    wrong = [
+        f"{k} {shapes[k]} vs {tuple(expected[k].shape)}"
+        for k in sorted(set(shapes) & set(expected))
+        if shapes[k] != tuple(expected[k].shape)
+    ]
+    found = [
+        f"{what} {_few(keys)}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+        if keys
+    ]
+    if found:
+        raise ConfigError(
+            f"{component.source}: {component.weights} does not fit {component.class_name} "
+            f"({'; '.join(found)}); it must be a diffusers-layout state dict of this architecture "
+            "(original-layout checkpoints need converting)"
+        )
+
+
+def _match_keys(model: nn.Module, state: dict[str, object]) -> tuple[list[str], list[str]]:
     """Model keys the file lacks (tied copies excused) and file keys the model lacks."""
     expected = set(model.state_dict())
     tied = _tied_keys(model)
@@ -133,9 +204,15 @@ def _check_materialized(model: nn.Module, component: Component) -> None:
     left = [name for name, t in model.state_dict().items() if t.is_meta]
     if left:
         raise ConfigError(
-            f"models.{component.name}: {component.weights} lacks {_few(left)} of "
+            f"{component.source}: {component.weights} lacks {_few(left)} of "
             f"{component.class_name}; give the complete weights"
         )
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's message, its first line only (messages are one line)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _few(keys: list[str], limit: int = 3) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import ClassVar, Literal
 
 from pydantic import model_validator
@@ -10,6 +11,7 @@ from splitstage.pipelines.pipeline_config import PipelineConfig, setting
 
 FAMILY_MODULE = "splitstage.pipelines.diffusers_families"
 FlowWeighting = Literal["none", "logit_normal", "uniform", "mode", "sigma_sqrt", "cosmap"]
+TRAINED_PREDICTIONS = ("epsilon", "v_prediction")  # the DDPM targets UNet training supports
 
 
 class DiffusersPipelineConfig(PipelineConfig):
@@ -69,6 +71,28 @@ class UNetRecipe(DiffusersPipelineConfig):
     noise_offset: float = setting(
         0.0, stage1=False, ge=0.0, le=1.0, description="Per-channel noise offset (e.g. 0.05)."
     )
+
+    @model_validator(mode="after")
+    def _scheduler_prediction(self) -> UNetRecipe:
+        """prediction_type='scheduler' takes the folder's; refuse one training cannot use now,
+        not in the training processes. An unreadable folder is left to the folder's checks."""
+        if self.prediction_type != "scheduler":
+            return self
+        from splitstage.pipelines.config_base import ConfigError
+        from splitstage.pipelines.diffusers_families.folder import resolve_pretrained
+
+        try:
+            path = resolve_pretrained(self.pretrained) / "scheduler" / "scheduler_config.json"
+            chosen = json.loads(path.read_text()).get("prediction_type", "epsilon")
+        except (ConfigError, OSError, ValueError, AttributeError):
+            return self
+        if chosen not in TRAINED_PREDICTIONS:
+            raise ValueError(
+                f"prediction_type: 'scheduler' takes {path}'s prediction_type {chosen!r}, which "
+                "training does not support; set pipeline.prediction_type = 'epsilon' or "
+                "'v_prediction' (the one the model was trained with)"
+            )
+        return self
 
 
 class FlowRecipe(DiffusersPipelineConfig):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from dataclasses import dataclass
@@ -14,6 +15,13 @@ from splitstage.pipelines.config import ConfigError, ModelConfig
 from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
 
 WEIGHT_NAMES = ("diffusion_pytorch_model", "model")  # diffusers' and transformers' file stems
+LIBRARIES = ("diffusers", "transformers")  # where model_index.json's classes may come from
+PIPELINE_FAMILIES = {  # model_index.json _class_name -> the family that trains it (its
+    "StableDiffusionPipeline": "sd",  # pipeline_classes; the families import this module)
+    "StableDiffusionXLPipeline": "sdxl",
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_HINT = (
     "download it once (`hf download {id} --local-dir DIR`, on a machine with network) and set "
@@ -30,6 +38,12 @@ class Component:
     class_name: str
     config_dir: Path  # holds config.json
     weights: Path | None  # a .safetensors file or a .safetensors.index.json; None: none found
+    field: str = ""  # the config field the files come from, for messages
+
+    @property
+    def source(self) -> str:
+        """The field to name in messages about this component's files."""
+        return self.field or f"models.{self.name}"
 
     def weight_files(self) -> list[Path]:
         """Every file the weights are in (the shards of an index, or the one file)."""
@@ -39,22 +53,30 @@ class Component:
             try:
                 weight_map = index_weight_map(self.weights.read_bytes())
             except (OSError, ValueError) as error:
-                raise ConfigError(f"models.{self.name}: {self.weights} {error}") from None
-            shards = sorted(set(weight_map.values()))
-            return [self.weights, *(self.weights.parent / shard for shard in shards)]
+                raise ConfigError(f"{self.source}: {self.weights} {error}") from None
+            shards = [self.weights.parent / shard for shard in sorted(set(weight_map.values()))]
+            missing = [shard.name for shard in shards if not shard.is_file()]
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise ConfigError(
+                    f"{self.source}: {self.weights} lists shard {missing[0]}{more}, which is "
+                    f"not in {self.weights.parent}; download every shard next to the index"
+                )
+            return [self.weights, *shards]
         return [self.weights]
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from a file, or one line naming the file."""
+def read_json(path: Path, what: str, field: str = "") -> dict[str, Any]:
+    """A JSON object from a file, or one line naming the field (if given) and the file."""
+    where = f"{field}: {path}" if field else str(path)
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such {what} file") from None
+        raise ConfigError(f"{where}: no such {what} file") from None
     except (OSError, ValueError) as error:
-        raise ConfigError(f"{path}: not a readable JSON {what} ({error})") from None
+        raise ConfigError(f"{where}: not a readable JSON {what} ({error})") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{path}: the {what} is not a JSON object")
+        raise ConfigError(f"{where}: the {what} is not a JSON object")
     return value
 
 
@@ -125,27 +147,55 @@ class PipelineFolder:
         self.root = resolve_pretrained(pretrained)
         self.overrides = models
         self.expected_classes = expected
+        self._components: dict[str, Component] = {}
 
     @cached_property
     def index(self) -> dict[str, Any]:
         """model_index.json, checked to be a pipeline this family trains."""
-        index = read_json(self.root / "model_index.json", "model_index.json")
+        index = read_json(self.root / "model_index.json", "model_index.json", "pipeline.pretrained")
         found = index.get("_class_name")
         if self.expected_classes and found not in self.expected_classes:
-            raise ConfigError(
-                f"pipeline.pretrained: {self.root} holds a {found} (model_index.json), which this "
-                f"family does not train (it trains {', '.join(self.expected_classes)}); set "
-                f"[pipeline] name to the family of that folder (see `splitstage families`)"
+            what = f"holds a {found}" if found else "names no pipeline class (_class_name)"
+            family = PIPELINE_FAMILIES.get(found) if isinstance(found, str) else None
+            fix = (
+                f"set [pipeline] name = '{family}' (the family that trains it)"
+                if family
+                else "use a folder of a pipeline some family trains (see `splitstage families`)"
             )
+            raise ConfigError(
+                f"pipeline.pretrained: {self.root} {what} (model_index.json), which this "
+                f"family does not train (it trains {', '.join(self.expected_classes)}); {fix}"
+            )
+        self.scheduler_config  # noqa: B018 - every family trains with the folder's schedule
         return index
+
+    @cached_property
+    def scheduler_config(self) -> dict[str, Any]:
+        """scheduler/scheduler_config.json (every family builds its training schedule from it)."""
+        return read_json(
+            self.root / "scheduler" / "scheduler_config.json",
+            "scheduler config",
+            "pipeline.pretrained (scheduler/)",
+        )
 
     def has(self, name: str) -> bool:
         """Whether the folder lists a component (`[null, null]` entries do not count)."""
         entry = self.index.get(name)
-        return isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
+        return (
+            isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+        )
 
     def component(self, name: str) -> Component:
-        """A component with its override applied (checked: config and weights exist)."""
+        """A component with its override applied, checked once: its class exists, its config
+        reads, its weights files are there (an override's fit the architecture), its tokenizer
+        loads (text encoders)."""
+        if name not in self._components:
+            component = self._component(name)
+            self._check(component)
+            self._components[name] = component
+        return self._components[name]
+
+    def _component(self, name: str) -> Component:
         if not self.has(name):
             raise ConfigError(
                 f"models.{name}: {self.root} has no '{name}' component (model_index.json); "
@@ -164,22 +214,64 @@ class PipelineFolder:
                     f"models.{name}.builder: diffusers families load weights only; give "
                     f"weights = 'path/to/{name}/' (a folder, a .safetensors or an .index.json)"
                 )
+            if override.key_prefix:
+                raise ConfigError(
+                    f"models.{name}.key_prefix: diffusers families read {name} weights as "
+                    "diffusers saves them, keys unprefixed; remove key_prefix (an original-layout "
+                    "checkpoint needs converting to the diffusers layout)"
+                )
             config_dir, weights = _override_paths(Path(override.weights), config_dir, field)
         if not (config_dir / "config.json").is_file():
-            raise ConfigError(f"{field}: {config_dir} has no config.json for '{name}'")
+            what = "has no config.json" if config_dir.is_dir() else "does not exist"
+            raise ConfigError(
+                f"{field}: {config_dir} {what}; '{name}' needs a folder with its config.json and "
+                f"safetensors weights (as diffusers saves {name}/): restore it, or point "
+                f"[models.{name}] weights at one"
+            )
         if weights is None:
             raise ConfigError(
                 f"{field}: {config_dir} has no safetensors weights for '{name}' (looked for "
                 f"{' / '.join(WEIGHT_NAMES)}.safetensors[.index.json]); .bin / .ckpt files are "
                 "not read (pickle): convert them to safetensors"
             )
-        return Component(name, library, class_name, config_dir, weights)
+        return Component(name, library, class_name, config_dir, weights, field)
+
+    def _check(self, component: Component) -> None:
+        """What `component` promises, checked before anything is launched."""
+        name, library, class_name = component.name, component.library, component.class_name
+        read_json(component.config_dir / "config.json", f"{name} config", component.source)
+        where = f"pipeline.pretrained: {self.root / 'model_index.json'} gives '{name}'"
+        if library not in LIBRARIES:
+            raise ConfigError(
+                f"{where} library {library!r}; only {' and '.join(LIBRARIES)} classes are built"
+            )
+        module = importlib.import_module(library)
+        try:
+            found = isinstance(getattr(module, class_name, None), type)
+        except (ImportError, RuntimeError):
+            found = False
+        if not found:
+            version = getattr(module, "__version__", "")
+            raise ConfigError(
+                f"{where} the class {library}.{class_name}, which {library} {version} does not "
+                "have; fix model_index.json or upgrade it"
+            )
+        component.weight_files()  # an index's shards are all there
+        if name in self.overrides:
+            from splitstage.pipelines.diffusers_families.components import check_fits
+
+            check_fits(component)
+        if name.startswith("text_encoder"):
+            from splitstage.pipelines.diffusers_families.text import load_tokenizer
+
+            load_tokenizer(self.root, name)
 
     def config(self, name: str) -> dict[str, Any]:
         """A component's config.json (scheduler: scheduler_config.json)."""
         if name == "scheduler":
-            return read_json(self.root / "scheduler" / "scheduler_config.json", "scheduler config")
-        return read_json(self.component(name).config_dir / "config.json", f"{name} config")
+            return self.scheduler_config
+        component = self.component(name)
+        return read_json(component.config_dir / "config.json", f"{name} config", component.source)
 
 
 def _override_paths(path: Path, default_config_dir: Path, field: str) -> tuple[Path, Path | None]:

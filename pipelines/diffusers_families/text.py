@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -18,8 +19,10 @@ def tokenizer_folder(root: Path, encoder: str) -> Path:
     return root / encoder.replace("text_encoder", "tokenizer")
 
 
+@cache
 def load_tokenizer(root: Path, encoder: str):
-    """The encoder's tokenizer from the pipeline folder (offline: files only)."""
+    """The encoder's tokenizer from the pipeline folder (offline: files only; loaded once, when
+    the folder is checked before launch)."""
     from transformers import AutoTokenizer
 
     folder = tokenizer_folder(root, encoder)
@@ -30,9 +33,12 @@ def load_tokenizer(root: Path, encoder: str):
         )
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # the tokenizers library raises plain Exceptions on bad files
+        text = str(error).strip()
+        first = text.splitlines()[0].rstrip(" :") if text else type(error).__name__
         raise ConfigError(
-            f"pipeline.pretrained: {folder} is not a readable tokenizer ({error})"
+            f"pipeline.pretrained: {folder} is not a readable tokenizer for {encoder} ({first}); "
+            "restore the tokenizer files diffusers saved with the pipeline"
         ) from None
 
 

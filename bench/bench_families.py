@@ -1,0 +1,414 @@
+"""Stage-2 step vs unsplit step vs the denoiser alone for the sd, sdxl, sd3 and flux families.
+
+Run: .venv/bin/python bench/bench_families.py [--quick] [--families sd,sdxl,sd3,flux] [--rounds 8]
+     [--resolution 128] [--batch 4] [--real-prompts]
+
+Each family gets a random-weight diffusers folder whose components are the real model's configs
+(SD 1.5, SDXL base, SD3-medium, FLUX.1-dev) with every width (channels, hidden sizes, head dims,
+projections) times one factor per family (1/8; FLUX 1/16), real depths and head counts, GroupNorm
+at the real channels per group, and the tokenizers of `splitstage.tiny_diffusers` (text models get
+their vocab size, so the token tables, which cost no compute, are tiny: the text : denoiser ratio
+kept is that of the parameters without token tables; both real ratios are printed). Prompts keep
+their real share of the sequence: tokens scale with the latent positions (77 CLIP tokens at 512 px
+become 5 at 128 px), except the 77 CLIP tokens SD3 and FLUX always take. One process, one thread,
+fp32, LoRA rank 4 on the denoiser's attention; the three steps run interleaved (split, unsplit,
+alone, split, ...) on one batch and medians are reported after the warm-up rounds:
+  stage-2  V2 outputs (prompt + VAE encoding) computed once; V1 units + denoiser fwd/bwd + AdamW
+  unsplit  decode the images, every unit (text encoders, VAE encoder), denoiser fwd/bwd + AdamW
+  alone    the denoiser fwd/bwd + AdamW on one prepared step's inputs
+Goals: stage-2 / unsplit < 1 for every family; stage-2 / denoiser alone <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+for _name in ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
+    os.environ.setdefault(_name, "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from splitstage.pipelines.config import config_from_dict  # noqa: E402
+from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
+from splitstage.tasks.data_index import index_data_set  # noqa: E402
+from splitstage.tasks.plan import make_plan  # noqa: E402
+from splitstage.tasks.stage2.models import add_lora  # noqa: E402
+from splitstage.tiny_diffusers import SD_SCHEDULE, clip_tokenizer, t5_tokenizer  # noqa: E402
+
+WORK = Path("runs/bench/families")
+FAMILIES = ("sd", "sdxl", "sd3", "flux")
+SCALE = {"sd": 8, "sdxl": 8, "sd3": 8, "flux": 16}  # widths are divided by this
+REAL_SIDE = {"sd": 512, "sdxl": 1024, "sd3": 1024, "flux": 1024}  # training resolution
+PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
+PIPELINES |= {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+REAL_VOCAB = {"clip": 49408, "t5": 32128}
+REAL_PROMPT = {"sd": 77, "sdxl": 77, "sd3": 256, "flux": 512}  # max_prompt_length
+
+# The real components (diffusers / transformers constructor arguments).
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+CLIP_L |= dict(projection_dim=768, hidden_act="quick_gelu")
+CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32)
+CLIP_G |= dict(num_attention_heads=20, projection_dim=1280, hidden_act="gelu")
+T5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+VAE |= dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+SD15_UNET = dict(block_out_channels=(320, 640, 1280, 1280), layers_per_block=2, norm_num_groups=32)
+SD15_UNET |= dict(cross_attention_dim=768, attention_head_dim=8, sample_size=64)
+SDXL_UNET = dict(block_out_channels=(320, 640, 1280), layers_per_block=2, norm_num_groups=32)
+SDXL_UNET |= dict(down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * 2)
+SDXL_UNET |= dict(up_block_types=("CrossAttnUpBlock2D",) * 2 + ("UpBlock2D",))
+SDXL_UNET |= dict(transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20))
+SDXL_UNET |= dict(cross_attention_dim=2048, addition_embed_type="text_time", sample_size=128)
+SDXL_UNET |= dict(addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816)
+SDXL_UNET |= dict(use_linear_projection=True)
+SD3_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24)
+SD3_MEDIUM |= dict(attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096)
+SD3_MEDIUM |= dict(caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192)
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38)
+FLUX_DEV |= dict(attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096)
+FLUX_DEV |= dict(pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+WIDTHS = {  # the keys that are widths, scaled by the family's factor
+    "hidden_size", "intermediate_size", "projection_dim", "d_model", "d_kv", "d_ff",
+    "block_out_channels", "norm_num_groups", "cross_attention_dim", "addition_time_embed_dim",
+    "projection_class_embeddings_input_dim", "attention_head_dim", "joint_attention_dim",
+    "caption_projection_dim", "pooled_projection_dim",
+}  # fmt: skip
+UNET_HEADS = frozenset({"attention_head_dim"})  # diffusers' UNet configs: the head count (kept)
+
+
+def scaled(config: dict, factor: int, keep: frozenset[str] = frozenset()) -> dict:
+    """The config with every width divided by `factor` (tuples element-wise)."""
+    out = dict(config)
+    for key in WIDTHS & set(config) - keep:
+        value = config[key]
+        out[key] = tuple(v // factor for v in value) if type(value) is tuple else value // factor
+    if "axes_dims_rope" in config:  # FLUX's RoPE axes must stay even and sum to the head dim
+        head = out["attention_head_dim"]
+        axes = [max(2, round(a * head / sum(config["axes_dims_rope"]) / 2) * 2) for a in (16, 56)]
+        out["axes_dims_rope"] = (axes[0], axes[1], head - sum(axes))
+    return out
+
+
+def clip(config: dict, projection: bool, vocab: int | None = None):
+    """A CLIP text model (with projection) for the tiny CLIP tokenizer (table: `vocab` rows)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    ids = len(clip_tokenizer())  # its specials are the last two ids, as in the real tokenizer
+    special = {"bos_token_id": ids - 2, "eos_token_id": ids - 1, "pad_token_id": ids - 1}
+    cfg = CLIPTextConfig(vocab_size=vocab or ids, max_position_embeddings=77, **special, **config)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg)
+
+
+def t5(config: dict, vocab: int | None = None):
+    """A T5 v1.1 encoder (gated GELU) for the tiny T5 tokenizer (table: `vocab` rows)."""
+    from transformers import T5Config, T5EncoderModel
+
+    vocab = vocab or len(t5_tokenizer())
+    special = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
+    cfg = T5Config(vocab_size=vocab, feed_forward_proj="gated-gelu", **special, **config)
+    model = T5EncoderModel(cfg)
+    model.tie_weights()
+    return model
+
+
+def vae(config: dict, latent: int, scaling: float, shift: float | None = None):
+    """SD's AutoencoderKL layout (SD3/FLUX: 16 latent channels, no quant convs, a shift)."""
+    from diffusers import AutoencoderKL
+
+    flow = {"use_quant_conv": shift is None, "use_post_quant_conv": shift is None}
+    return AutoencoderKL(
+        latent_channels=latent, scaling_factor=scaling, shift_factor=shift, **flow, **config
+    )
+
+
+def parts(kind: str, f: int, vocab: dict | None = None) -> tuple[str, dict, dict]:
+    """(pipeline class, components, extra kwargs) of `kind` with widths / f (f=1: the real one)."""
+    import diffusers as d
+
+    v = vocab or {}
+    clip_l, clip_g = scaled(CLIP_L, f), scaled(CLIP_G, f)
+    flow, ddpm = {"num_train_timesteps": 1000, "shift": 3.0}, {**SD_SCHEDULE, "clip_sample": False}
+    table = {  # denoiser, (latent channels, scaling, shift), text encoders, scheduler
+        "sd": (d.UNet2DConditionModel, SD15_UNET, (4, 0.18215, None), "L", ddpm),
+        "sdxl": (d.UNet2DConditionModel, SDXL_UNET, (4, 0.13025, None), "LG", ddpm),
+        "sd3": (d.SD3Transformer2DModel, SD3_MEDIUM, (16, 1.5305, 0.0609), "lGT", flow),
+        "flux": (d.FluxTransformer2DModel, FLUX_DEV, (16, 0.3611, 0.1159), "LT", flow),
+    }
+    denoiser, config, latents, encoders, schedule = table[kind]
+    unet = kind in ("sd", "sdxl")
+    components = {
+        "unet" if unet else "transformer": denoiser(**scaled(config, f, UNET_HEADS * unet)),
+        "vae": vae(scaled(VAE, f), *latents),
+        "scheduler": (d.DDPMScheduler if unet else d.FlowMatchEulerDiscreteScheduler)(**schedule),
+    }
+    for index, code in enumerate(encoders):  # "l": CLIP-L with its projection (SD3)
+        suffix = f"_{index + 1}" if index else ""
+        components[f"tokenizer{suffix}"] = t5_tokenizer() if code == "T" else clip_tokenizer()
+        clip_model = partial(clip, clip_g if code == "G" else clip_l, code != "L", v.get("clip"))
+        t5_model = partial(t5, scaled(T5_XXL, f), v.get("t5"))
+        components[f"text_encoder{suffix}"] = t5_model() if code == "T" else clip_model()
+    extra = {"feature_extractor": None, "image_encoder": None}
+    if kind == "sd":  # StableDiffusionPipeline takes no image encoder but a safety checker
+        extra = {"feature_extractor": None, "safety_checker": None}
+        extra["requires_safety_checker"] = False
+    return PIPELINES[kind], components, extra
+
+
+def counts(components: dict) -> dict[str, tuple[float, float]]:
+    """Per model: (parameters, parameters without token tables); the VAE's encoder only."""
+    out = {}
+    for name, model in components.items():
+        if not isinstance(model, torch.nn.Module):
+            continue
+        if name == "vae":
+            model = torch.nn.ModuleList([model.encoder, model.quant_conv or torch.nn.Identity()])
+        total = sum(p.numel() for p in model.parameters())
+        tables = {  # token tables (T5's two names share one)
+            id(m.weight): m.weight.numel()
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and ("token" in n or n == "shared")
+        }
+        out[name] = (total, total - sum(tables.values()))
+    return out
+
+
+def real_counts(kind: str) -> dict[str, tuple[float, float]]:
+    """Parameter counts of the real components, built on the meta device (no memory)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        _, components, _ = parts(kind, 1, REAL_VOCAB)
+    for model in components.values():  # T5 ties its token tables only outside the context
+        if hasattr(model, "tie_weights") and not hasattr(model, "register_to_config"):
+            model.tie_weights()
+    return counts(components)
+
+
+def write_folder(kind: str, folder: Path, factor=None, vocab=None, dtype=None) -> dict:
+    """Save `kind` (widths / factor) as a diffusers folder in `dtype`; returns its counts."""
+    import diffusers
+
+    torch.manual_seed(0)
+    class_name, components, extra = parts(kind, factor or SCALE[kind], vocab)
+    numbers = counts(components)
+    pipe = getattr(diffusers, class_name)(**components, **extra)
+    if dtype is not None:
+        pipe.to(dtype=dtype)
+    shutil.rmtree(folder, ignore_errors=True)
+    pipe.save_pretrained(folder)
+    return numbers
+
+
+def job_config(kind: str, folder: Path, work: Path, side: int, batch: int, prompt: int, rank=4):
+    """A LoRA job on the folder's denoiser, data under work/data (digits)."""
+    pipeline = {"name": kind, "pretrained": str(folder), "resolution": side}
+    denoiser = "unet" if kind in ("sd", "sdxl") else "transformer"
+    return config_from_dict({
+        "job": {"name": f"bench-{kind}", "seed": 0},
+        "pipeline": pipeline | {"max_prompt_length": prompt},
+        "trainable": {"lora_base_model": denoiser, "lora_rank": rank},
+        "data": {"base_path": str(work / "data")},
+        "cache": {"url": str(work / "cache")},
+        "train": {"batch_size": batch, "max_steps": 3},
+        "output": {"url": str(work / "out")},
+    })  # fmt: skip
+
+
+class Steps:
+    """One batch's training steps three ways (split, unsplit, denoiser alone), models loaded.
+
+    Frozen models load as the family builds them (bf16 on GPUs); the denoiser is trained in
+    fp32 with LoRA (as stage 2's trainer does), under `precision` autocast when given."""
+
+    def __init__(self, config, device: torch.device, precision: torch.dtype | None = None):
+        self.plan = plan = make_plan(config)
+        self.family = family = plan.family
+        self.device = device
+        self.autocast = partial(torch.autocast, device.type, dtype=precision)
+        self.autocast = contextlib.nullcontext if precision is None else self.autocast
+        self.models = {name: family.build_model(name, device) for name in family.model_names}
+        name = family.denoiser
+        self.models[name] = add_lora(self.models[name].float(), config, family).train()
+        params = [p for p in self.models[name].parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-4)
+        self.rows = index_data_set(config).rows[: config.train.batch_size]
+        self.base = config.data.base_path
+        with torch.no_grad():
+            stage1 = run_units(plan.v2_units, self.context(0), self.raw_batch())
+        self.cached = {name: stage1[name] for name in plan.split.boundary_params}
+        self.prepared_ctx = self.context(1)
+        with self.autocast():
+            inputs = run_units(plan.v1_units, self.prepared_ctx, dict(self.cached))
+            self.prepared = family.training_step(self.prepared_ctx, inputs)
+        self.seeds = iter(range(2, 2**62))
+
+    def context(self, seed: int) -> StepContext:
+        """A step's context: the models, the device, that step's random draws."""
+        generator = torch.Generator(self.device).manual_seed(seed)
+        settings = self.family.settings()
+        return StepContext(self.models, self.device, generator=generator, settings=settings)
+
+    def raw_batch(self) -> dict:
+        """The batch decoded from the data set, as unsplit training reads it every step."""
+        batch = collate_samples([self.family.load_sample(row, self.base) for row in self.rows])
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def update(self, loss: torch.Tensor) -> None:
+        """Backward, AdamW step, zero grads."""
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def split(self) -> None:
+        """Stage 2: V1 units + denoiser on the cached V2 outputs."""
+        ctx = self.context(next(self.seeds))
+        with self.autocast():
+            inputs = run_units(self.plan.v1_units, ctx, dict(self.cached))
+            loss = self.family.training_loss(ctx, inputs)
+        self.update(loss)
+
+    def unsplit(self) -> None:
+        """Every unit every step (decode, text encoders, VAE) + denoiser."""
+        ctx = self.context(next(self.seeds))
+        with self.autocast():
+            loss = self.family.training_loss(ctx, run_units(self.plan.units, ctx, self.raw_batch()))
+        self.update(loss)
+
+    def stage1(self) -> dict[str, float]:
+        """Seconds each V2 unit takes on the decoded batch (what stage 1 does once per sample)."""
+        inputs, ctx, seconds = self.raw_batch(), self.context(0), {}
+        with torch.no_grad(), self.autocast():
+            for unit in self.plan.v2_units:
+                run = partial(run_units, [unit], ctx, inputs)
+                seconds[unit.spec.name] = timed(run, self.device)
+        return seconds
+
+    def alone(self) -> None:
+        """The denoiser only, on one prepared step's inputs."""
+        with self.autocast():
+            prediction = self.family.denoise(self.prepared_ctx, self.prepared)
+            loss = self.family.loss(prediction, self.prepared)
+        self.update(loss)
+
+
+def ratios(numbers: dict[str, tuple[float, float]]) -> tuple[float, float, float]:
+    """(text : denoiser, the same without token tables, VAE encoder : denoiser)."""
+    denoiser = numbers.get("unet", numbers.get("transformer"))[0]
+    texts = [v for k, v in numbers.items() if k.startswith("text_encoder")]
+    text, bare = (sum(t[i] for t in texts) / denoiser for i in (0, 1))
+    return text, bare, numbers["vae"][0] / denoiser
+
+
+def prompt_length(kind: str, resolution: int, real_prompts: bool) -> int:
+    """Prompt tokens keeping the real tokens : latent positions share (or the real length)."""
+    if real_prompts:
+        return REAL_PROMPT[kind]
+    return max(2, round(REAL_PROMPT[kind] * (resolution / REAL_SIDE[kind]) ** 2))
+
+
+def timed(step, device: torch.device | None = None) -> float:
+    """Seconds one call of `step` takes (waiting for the GPU's queue on CUDA)."""
+    start = time.perf_counter()
+    step()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def bench_family(kind: str, args) -> dict:
+    """Build, load and time one family; returns its figures."""
+    folder = WORK / kind
+    scaled_counts = write_folder(kind, folder)
+    length = prompt_length(kind, args.resolution, args.real_prompts)
+    config = job_config(kind, folder, WORK, args.resolution, args.batch, length)
+    bench = Steps(config, torch.device("cpu"))
+    steps = {"split": bench.split, "unsplit": bench.unsplit, "alone": bench.alone}
+    times = {name: [] for name in steps}
+    units: dict[str, list[float]] = {}
+    for _ in range(args.warmup + args.rounds):
+        for name, step in steps.items():
+            times[name].append(timed(step))
+        for name, seconds in bench.stage1().items():
+            units.setdefault(name, []).append(seconds)
+    medians = {name: statistics.median(t[args.warmup :]) for name, t in times.items()}
+    result = dict(kind=kind, scale=SCALE[kind], prompt_length=length, counts=scaled_counts)
+    result |= dict(v1=[u.spec.name for u in bench.plan.v1_units], real_counts=real_counts(kind))
+    result |= dict(v2=[u.spec.name for u in bench.plan.v2_units])
+    result |= {f"{name}_s": value for name, value in medians.items()}
+    result["v2_unit_s"] = {name: statistics.median(t[args.warmup :]) for name, t in units.items()}
+    result["step_ratio"] = medians["split"] / medians["unsplit"]
+    result["split_vs_denoiser"] = medians["split"] / medians["alone"]
+    return result
+
+
+def print_proportions(r: dict) -> None:
+    """Parameter counts and ratios, real vs benchmarked, and where a batch's time goes."""
+    print(f"\n{r['kind']}: widths / {r['scale']}, prompt tokens {r['prompt_length']}, ", end="")
+    print(f"V1 {r['v1']}, V2 {r['v2']}")
+    print(f"  {'component':16} {'real (M)':>10} {'w/o tokens':>11} {'here (M)':>9}")
+    for name, (total, bare) in r["real_counts"].items():
+        here = r["counts"][name][0] / 1e6
+        print(f"  {name:16} {total / 1e6:10.1f} {bare / 1e6:11.1f} {here:9.3f}")
+    real, here = ratios(r["real_counts"]), ratios(r["counts"])
+    print(f"  text:denoiser real {real[0]:.3f} (w/o token tables {real[1]:.3f}), ", end="")
+    print(f"here {here[0]:.3f} ({here[1]:.3f}); VAE encoder:denoiser real {real[2]:.4f}, ", end="")
+    print(f"here {here[2]:.4f}")
+    units = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["v2_unit_s"].items())
+    steps = ", ".join(f"{k} {r[f'{k}_s'] * 1e3:.0f} ms" for k in ("split", "unsplit", "alone"))
+    print(f"  per batch: V2 units {units}; steps {steps}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 px, fewer rounds (~3 min)")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--resolution", type=int, default=None, help="default 128 (quick: 64)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--real-prompts", action="store_true", help="real prompt lengths")
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (5 if args.quick else 8)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.resolution = args.resolution or (64 if args.quick else 128)
+    torch.set_num_threads(1)
+    write_digits_dataset(WORK / "data", limit=args.batch, size=32)
+    results = []
+    for kind in args.families.split(","):
+        start = time.perf_counter()
+        results.append(bench_family(kind, args))
+        print_proportions(results[-1])
+        print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"\nbatch {args.batch}, {args.resolution} px, median of {args.rounds} rounds, 1 thread")
+    print(f"{'figure':36} {'measured':28} {'ratio':>7} {'goal':>7}  met")
+    figures = {}
+    for r in results:
+        k, split = r["kind"], r["split_s"]
+        figures |= {f"{k}_{n}": r[n] for n in ("step_ratio", "split_vs_denoiser")}
+        for label, other, ratio, goal in (
+            ("unsplit step", r["unsplit_s"], r["step_ratio"], "< 1"),
+            ("denoiser alone", r["alone_s"], r["split_vs_denoiser"], "<= 1.15"),
+        ):
+            met = "yes" if ratio < 1 or (goal == "<= 1.15" and ratio <= 1.15) else "NO"
+            measured = f"{split * 1e3:.0f} ms / {other * 1e3:.0f} ms"
+            print(
+                f"{k + ': stage-2 step / ' + label:36} {measured:28} {ratio:7.3f} {goal:>7}  {met}"
+            )
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""A prepared check for one CUDA GPU without network: full-size SD 1.5 and SDXL, split vs unsplit.
+
+Run: bash bench/gpu_check.sh [--budget 280] [--keep]     (CPU smoke test: --cpu-smoke, < 2 min)
+
+Builds the real architectures from their configs with random weights (SD 1.5: UNet 860M, CLIP-L,
+VAE; SDXL base: UNet 2.6B, CLIP-L + CLIP-G, VAE) as diffusers folders (bf16, save_pretrained) in a
+temp dir. Text models keep their real 49408-row token tables; the tiny tokenizers of
+`splitstage.tiny_diffusers` index the first 514 rows (bos/eos set to their ids), so widths, depths
+and parameter counts are the real ones. Then, on the GPU:
+  1. stage 1: text + VAE encoding of N samples in bf16 (SD at 512 px, SDXL at 1024 px)
+  2. stage-2 step vs unsplit step, medians of 10 interleaved after warm-up (batch 4 SD at 512,
+     batch 2 SDXL at 1024; LoRA rank 16 on an fp32 denoiser under bf16 autocast, as stage 2 trains)
+  3. peak CUDA memory of stage 2 (only its models on the GPU) vs unsplit (all of them)
+  4. torchrun --nproc_per_node 1: an all_reduce through splitstage's process-group set-up, and the
+     real launcher (`train`) on a tiny SD folder: the backend it used (NCCL's log) and its step time
+Every row has a time budget and the run a hard cap: a row that fails or runs out of time says so
+in the table and the script still exits 0. Without CUDA it says so in one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+for _name in ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
+    os.environ.setdefault(_name, "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+# kind: (width divisor, resolution, batch, samples encoded, encode batch); then rounds, warm-up
+FULL = {"sd": (1, 512, 4, 64, 8), "sdxl": (1, 1024, 2, 32, 4), "rounds": 10, "warmup": 2}
+SMOKE = {"sd": (16, 64, 2, 8, 4), "sdxl": (16, 64, 2, 4, 2), "rounds": 3, "warmup": 1}
+ARCH = {"sd": "SD 1.5", "sdxl": "SDXL base"}
+
+
+class Check:
+    """Rows of (name, result), each run under its own time budget inside a hard total cap."""
+
+    def __init__(self, cap: float):
+        self.start, self.cap, self.rows, self.deadline = time.monotonic(), cap, [], 0.0
+
+    def left(self) -> float:
+        """Seconds left of the total cap."""
+        return self.cap - (time.monotonic() - self.start)
+
+    def row_left(self) -> float:
+        """Seconds left of the running row's budget."""
+        return self.deadline - time.monotonic()
+
+    def add(self, name: str, result: str) -> None:
+        """Record a row and print it at once (a killed run still shows what it had)."""
+        self.rows.append((name, result))
+        print(f"[{time.monotonic() - self.start:5.0f} s] {name}: {result}", flush=True)
+
+    def run(self, name: str, budget: float, work, need: float = 5.0):
+        """Run `work()` (returning a result, or [(name, result), ...]) within `budget` seconds."""
+        if self.left() < need:
+            return self.add(name, "skipped: time")
+        limit = min(budget, self.left())
+        self.deadline = time.monotonic() + limit
+        signal.signal(signal.SIGALRM, _out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            results = work()
+        except BaseException as error:  # noqa: BLE001 - every failure becomes one table row
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            reason = " ".join(str(error).split())[:160] or type(error).__name__
+            return self.add(name, f"FAILED: {type(error).__name__}: {reason}")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for row, result in results if isinstance(results, list) else [(name, results)]:
+            self.add(row, result)
+        return results
+
+
+def _out_of_time(signum, frame):
+    """SIGALRM: the running row's budget is spent."""
+    raise TimeoutError("its time budget ran out")
+
+
+def importable_splitstage() -> None:
+    """Make `splitstage.*` importable here and in torchrun's workers without installing it."""
+    try:
+        import splitstage.tasks.stage2.launch  # noqa: F401
+
+        return
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("splitstage"):
+            raise
+    shim = Path(tempfile.mkdtemp(prefix="splitstage-shim-"))
+    (shim / "splitstage").mkdir()
+    package = ROOT / "splitstage"
+    (shim / "splitstage/__init__.py").write_text(
+        f"__path__ = [{str(package)!r}, {str(ROOT)!r}]\n"
+        f"exec(open({str(package / '__init__.py')!r}).read())\n"
+    )
+    sys.path.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), os.getenv("PYTHONPATH")]))
+    for module in [m for m in sys.modules if m.split(".")[0] == "splitstage"]:
+        del sys.modules[module]
+
+
+def gib(count: float) -> str:
+    """Bytes in GiB, one decimal."""
+    return f"{count / 2**30:.1f} GiB"
+
+
+def describe(device) -> str:
+    """The device, its memory and the torch build."""
+    import torch
+
+    cuda = torch.version.cuda
+    if device.type != "cuda":
+        return f"cpu (smoke test), torch {torch.__version__}, CUDA build {cuda}"
+    props = torch.cuda.get_device_properties(device)
+    return (
+        f"{props.name}, {gib(props.total_memory)}, torch {torch.__version__}, CUDA {cuda}, "
+        f"bf16 {torch.cuda.is_bf16_supported()}, {torch.cuda.device_count()} GPU(s)"
+    )
+
+
+def imports() -> str:
+    """splitstage importable (a path shim when not installed) and the library versions."""
+    importable_splitstage()
+    import diffusers
+    import peft
+    import torch
+    import transformers
+
+    libraries = (torch, diffusers, transformers, peft)
+    return ", ".join(f"{m.__name__} {m.__version__}" for m in libraries)
+
+
+def build_folder(kind: str, size: tuple, device, work: Path, state: dict):
+    """Write the (full-size) folder of `kind`, built on the device, saved in bf16."""
+    import torch
+    from bench_families import REAL_VOCAB, write_folder
+
+    started = time.perf_counter()
+    folder = work / kind
+    with torch.device(device):
+        numbers = write_folder(kind, folder, size[0], {"clip": REAL_VOCAB["clip"]}, torch.bfloat16)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    state[kind] = {"folder": folder}
+    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    params = ", ".join(f"{name} {n[0] / 1e6:.1f}M" for name, n in numbers.items())
+    return f"{params} params; {gib(written)} written in {time.perf_counter() - started:.0f} s"
+
+
+def load_steps(kind: str, size: tuple, device, work: Path, state: dict):
+    """Load every model of the folder and prepare the batch the steps train on."""
+    import torch
+    from bench_families import Steps, job_config
+
+    from splitstage.pipelines.digits import write_digits_dataset
+
+    if kind not in state:
+        raise RuntimeError(f"no {kind} folder (its build failed above)")
+    started = time.perf_counter()
+    write_digits_dataset(work / "data", limit=8, size=64)
+    rank = 16 if size[0] == 1 else 4
+    config = job_config(kind, state[kind]["folder"], work, size[1], size[2], 77, rank=rank)
+    precision = torch.bfloat16 if device.type == "cuda" else None
+    state[kind]["steps"] = steps = Steps(config, device, precision)
+    names = ", ".join(f"{n} {next(m.parameters()).dtype}" for n, m in steps.models.items())
+    return f"{names}; V2 {[u.spec.name for u in steps.plan.v2_units]} in {time.perf_counter() - started:.0f} s"
+
+
+def encode(kind: str, size: tuple, device, state: dict):
+    """Stage 1 without I/O: the V2 units over N decoded samples, batched, under no_grad."""
+    import torch
+    from bench_families import timed
+
+    from splitstage.pipelines.runtime import collate_samples, run_units
+
+    steps = _steps(state, kind)
+    count, per = size[3], size[4]
+    rows = (steps.rows * count)[:count]  # the data set's first rows, repeated
+    samples = [steps.family.load_sample(row, steps.base) for row in rows]
+    batches = [collate_samples(samples[i : i + per]) for i in range(0, count, per)]
+    ctx = steps.context(0)
+
+    def stage1(batch):
+        with torch.no_grad():
+            run_units(steps.plan.v2_units, ctx, {k: _to(v, device) for k, v in batch.items()})
+
+    timed(lambda: stage1(batches[0]), device)  # warm-up
+    seconds = sum(timed(lambda b=b: stage1(b), device) for b in batches)
+    return f"{count} samples in {seconds:.2f} s = {count / seconds:.1f} samples/s (batch {per}, {size[1]} px)"
+
+
+def step_times(kind: str, size: tuple, device, state: dict, check: Check, sizes: dict):
+    """Interleaved stage-2 / unsplit steps; medians after warm-up (fewer if the budget runs low)."""
+    from bench_families import timed
+
+    steps, rounds, warmup = _steps(state, kind), sizes["rounds"], sizes["warmup"]
+    times: dict[str, list[float]] = {"split": [], "unsplit": []}
+    for index in range(warmup + rounds):
+        for name in times:
+            times[name].append(timed(getattr(steps, name), device))
+        spent = sum(map(sum, zip(*times.values(), strict=True))) / (index + 1)
+        if check.row_left() < 2 * spent + 2:
+            break
+    done = max(1, len(times["split"]) - warmup)
+    split, unsplit = (statistics.median(t[-done:]) for t in times.values())
+    return f"{split * 1e3:.0f} ms / {unsplit * 1e3:.0f} ms = {split / unsplit:.3f} (median of {done}, batch {size[2]}, {size[1]} px)"
+
+
+def peak_memory(kind: str, device, state: dict):
+    """Peak CUDA memory of 2 steps each: only the stage-2 models on the GPU, then all of them."""
+    import torch
+
+    steps = _steps(state, kind)
+    if device.type != "cuda":
+        steps.split(), steps.unsplit()  # the same code path; CPU has no peak counter
+        return "n/a on CPU (steps ran)"
+    offloaded = [n for n in steps.models if n not in steps.plan.split.models["stage2"]]
+    peaks = {}
+    for name, where in (("split", "cpu"), ("unsplit", device)):
+        for model in offloaded:
+            steps.models[model].to(where)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(2):
+            getattr(steps, name)()
+        torch.cuda.synchronize(device)
+        peaks[name] = torch.cuda.max_memory_allocated(device)
+    ratio = peaks["split"] / peaks["unsplit"]
+    return f"{gib(peaks['split'])} / {gib(peaks['unsplit'])} = {ratio:.3f} (stage 2 leaves {offloaded} off the GPU)"
+
+
+def release(kind: str, device, state: dict) -> None:
+    """Free the family's models before the next one."""
+    import torch
+
+    state.get(kind, {}).pop("steps", None)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not state.get("keep"):
+        shutil.rmtree(state.get(kind, {}).get("folder", "/nonexistent"), ignore_errors=True)
+
+
+ALL_REDUCE = """
+import torch, torch.distributed as dist
+from splitstage.tasks.stage2.distributed import close_distributed, init_distributed
+info = init_distributed()
+value = torch.full((4,), float(info.rank + 1), device=info.device)
+dist.all_reduce(value)
+print(f"ALLREDUCE backend={dist.get_backend()} device={info.device} world={info.world_size} sum={value[0].item()}")
+close_distributed()
+"""
+
+
+def all_reduce(device, work: Path, check: Check):
+    """torchrun --nproc_per_node 1 with splitstage's init_distributed: the backend and a sum."""
+    script = work / "all_reduce.py"
+    script.write_text(ALL_REDUCE)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        str(script),
+    ]
+    env = {**os.environ, "SPLITSTAGE_DEVICE": device.type, "NCCL_DEBUG": "INFO"}
+    started = time.perf_counter()
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=max(1, check.row_left())
+    )
+    lines = (done.stdout + done.stderr).splitlines()
+    found = [line for line in lines if line.startswith("ALLREDUCE")]
+    if done.returncode or not found:
+        raise RuntimeError(f"exit {done.returncode}: {(lines or ['no output'])[-1]}")
+    nccl = sum("NCCL INFO" in line for line in lines)
+    return f"{found[0].removeprefix('ALLREDUCE ')}; {nccl} NCCL log lines; {time.perf_counter() - started:.1f} s wall"
+
+
+def launcher(device, work: Path, check: Check):
+    """splitstage's real preprocess + train (torchrun, 1 process) on a tiny SD folder."""
+    from splitstage.pipelines.config import config_from_dict
+    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.tasks.stage1.preprocess import preprocess
+    from splitstage.tasks.stage2.launch import train
+    from splitstage.tiny_diffusers import write_tiny_folder
+
+    base = work / "tiny"
+    write_tiny_folder("sd", base / "sd")
+    write_digits_dataset(base / "data", limit=16, size=64)
+    config = config_from_dict({
+        "job": {"name": "gpu-check", "seed": 0},
+        "pipeline": {"name": "sd", "pretrained": str(base / "sd"), "resolution": 64},
+        "trainable": {"lora_base_model": "unet", "lora_rank": 4},
+        "data": {"base_path": str(base / "data")}, "cache": {"url": str(base / "cache")},
+        "train": {"batch_size": 4, "max_steps": 12, "epochs": 10, "nproc_per_node": 1,
+                  "log_every": 4, "checkpoint_every": 1000},
+        "output": {"url": str(base / "out")},
+    })  # fmt: skip
+    preprocess(config, workers=1, progress=False)
+    lines: list[str] = []
+    env = {"SPLITSTAGE_DEVICE": device.type, "NCCL_DEBUG": "INFO"}
+    report = train(
+        config,
+        run_root=base / "runs",
+        env=env,
+        on_line=lines.append,
+        timeout=max(1, check.row_left() - 2),
+    )
+    nccl = sum("NCCL INFO" in line for line in lines)
+    backend = f"nccl ({nccl} NCCL log lines)" if nccl else "no NCCL log lines (gloo on CPU)"
+    step = statistics.median(report.step_seconds[2:] or report.step_seconds or [float("nan")])
+    loss = report.losses[-1] if report.losses else float("nan")
+    return [
+        ("launcher train(): backend", backend),
+        ("launcher train(): run", f"{report.updates} updates on {report.world_size} rank(s), "
+         f"models loaded {report.models_loaded}, median step {step * 1e3:.1f} ms, final loss {loss:.4f}"),
+    ]  # fmt: skip
+
+
+def _steps(state: dict, kind: str):
+    """The family's loaded steps, or why there are none."""
+    if "steps" not in state.get(kind, {}):
+        raise RuntimeError(f"no {kind} models (their load failed above)")
+    return state[kind]["steps"]
+
+
+def _to(value, device):
+    """A tensor on the device (other values as they are)."""
+    return value.to(device) if hasattr(value, "to") else value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (< 2 min)")
+    parser.add_argument("--budget", type=float, default=None, help="hard cap, seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the temp folders")
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError as error:
+        print(f"gpu_check: torch is not importable here ({error}); nothing checked")
+        return 0
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda}); nothing checked (--cpu-smoke runs the code on CPU)")  # fmt: skip
+        return 0
+    torch.set_num_threads(1 if args.cpu_smoke else os.cpu_count() or 1)
+    sizes = SMOKE if args.cpu_smoke else FULL
+    check = Check(args.budget or (110 if args.cpu_smoke else 280))
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    work = Path(tempfile.mkdtemp(prefix="splitstage-gpu-check-"))
+    state: dict = {"keep": args.keep}
+    try:
+        check.run("device", 20, partial(describe, device))
+        check.run("imports", 60, imports)
+        check.run("torchrun nproc 1: all_reduce", 60, partial(all_reduce, device, work, check), 15)
+        check.run("launcher train()", 90, partial(launcher, device, work, check), 30)
+        for kind in ("sd", "sdxl"):
+            size, label = sizes[kind], f"{kind} ({ARCH[kind]})"
+            build = partial(build_folder, kind, size, device, work, state)
+            check.run(f"{label}: build folder", 90 if size[0] == 1 else 30, build, 20)
+            load = partial(load_steps, kind, size, device, work, state)
+            check.run(f"{label}: load models", 60, load, 10)
+            encoding = partial(encode, kind, size, device, state)
+            check.run(f"{label}: stage 1 encode", 40, encoding, 5)
+            timing = partial(step_times, kind, size, device, state, check, sizes)
+            check.run(f"{label}: stage-2 step / unsplit step", 60, timing, 10)
+            memory = partial(peak_memory, kind, device, state)
+            check.run(f"{label}: peak memory stage 2 / unsplit", 40, memory, 5)
+            release(kind, device, state)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"\n| check ({time.monotonic() - check.start:.0f} s of {check.cap:.0f}) | result |\n|---|---|"
+    )
+    for name, result in check.rows:
+        print(f"| {name} | {result.replace('|', '/')} |")
+    out = os.environ.get("OUT")
+    if out and Path(out).is_dir():
+        (Path(out) / "gpu_check.json").write_text(json.dumps(check.rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The diffusers families end to end on tiny Hub-style folders, with real diffusers classes.
+
+Per family: plan -> preprocess -> split training (real torchrun, gloo) -> export; the family's
+diffusers pipeline, built from the same folder, loads the exported LoRA (diffusers layout, and the
+kohya layout where diffusers reads it) and reproduces the trained denoiser, which is rebuilt
+independently from the run's last DCP checkpoint; unsplit training gives the same losses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.data import load_metadata
+from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
+from splitstage.tasks.plan import make_plan
+from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
+from splitstage.tasks.stage2.distributed import DistInfo
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tiny_diffusers import write_tiny_folder
+
+pytestmark = pytest.mark.slow
+ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+FAMILY = {"sd": "sd", "sd2": "sd", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux"}
+DENOISER = {"sd": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
+PIPELINE = {
+    "sd": "StableDiffusionPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+}
+KOHYA_LOADS = {"sd", "sdxl", "flux"}  # diffusers 0.42 has no converter for SD3 kohya files
+ONE_CPU = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A captioned data set (8 digits) and one tiny folder per kind."""
+    root = tmp_path_factory.mktemp("families")
+    write_digits_dataset(root / "data", limit=8, size=32)
+    for kind in FAMILY:
+        write_tiny_folder(kind, root / kind)
+    return root
+
+
+def job(root: Path, kind: str, name: str, *, models=None, trainable=None, **train):
+    """A LoRA job (rank 4, alpha 8: the scale is not 1) on `kind`'s folder at 64 px."""
+    family = FAMILY[kind]
+    pipeline = {"name": family, "pretrained": str(root / kind), "resolution": 64}
+    pipeline["caption_dropout"] = 0.25
+    if family in ("sd3", "flux"):
+        pipeline["max_prompt_length"] = 16
+    return config_from_dict(
+        {
+            "job": {"name": name, "seed": 3},
+            "pipeline": pipeline,
+            "models": models or {},
+            "trainable": trainable
+            or {"lora_base_model": DENOISER[family], "lora_rank": 4, "lora_alpha": 8},
+            "data": {"base_path": str(root / "data")},
+            "cache": {"url": str(root / "cache"), "shard_samples": 4},
+            "train": {"batch_size": 4, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3}
+            | train,
+            "output": {"url": str(root / "out")},
+        }
+    )
+
+
+def run(config, root: Path):
+    """Train through the real launcher (torchrun, one gloo rank)."""
+    return train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+
+
+def trained_from_checkpoint(config, report):
+    """The denoiser as the run left it: meta build, LoRA, load, then its last DCP checkpoint."""
+    plan = make_plan(config)
+    stage2 = build_stage2_models(config, plan, ONE_CPU)
+    step = latest_checkpoint(report.checkpoint_url, clean=False)
+    trained = stage2.trained[0]
+    load_checkpoint(report.checkpoint_url, step, stage2.models[trained], None, restore_rng=False)
+    return plan, stage2.models[trained]
+
+
+def fixed_step(plan, config, denoiser):
+    """A batch through stage 1 and the per-step units, and one drawn training step."""
+    family = plan.family
+    base = config.data.base_path
+    batch = collate_samples([family.load_sample(r, base) for r in load_metadata(base)[:2]])
+    frozen = {
+        name: family.build_model(name, ONE_CPU.device) for name in plan.split.models["stage1"]
+    }
+    settings = family.settings()
+    run_units(plan.v2_units, StepContext(frozen, ONE_CPU.device, settings=settings), batch)
+    models = {family.denoiser: denoiser}
+    ctx = StepContext(models, ONE_CPU.device, torch.Generator().manual_seed(5), settings)
+    run_units(plan.v1_units, ctx, batch)
+    return family.training_step(ctx, batch)
+
+
+def predict(plan, denoiser, step) -> torch.Tensor:
+    """The family's denoiser call on a step, with `denoiser` as the model."""
+    ctx = StepContext({plan.family.denoiser: denoiser}, ONE_CPU.device)
+    with torch.no_grad():
+        return plan.family.denoise(ctx, step)
+
+
+def fresh_pipeline(kind: str, root: Path):
+    """The kind's diffusers pipeline from the same folder (offline)."""
+    import diffusers
+
+    return getattr(diffusers, PIPELINE[FAMILY[kind]]).from_pretrained(root / kind)
+
+
+@pytest.mark.parametrize("kind", list(FAMILY))
+def test_split_training_exports_a_lora_the_diffusers_pipeline_reproduces(root, kind):
+    config = job(root, kind, f"{kind}-split")
+    plan = make_plan(config)
+    family = FAMILY[kind]
+    assert set(plan.split.v2) >= {"PromptEncoder", "VAEEncoder"}
+    assert list(plan.split.v1) == ["LatentSampler", "CaptionDropout"]  # fresh every step
+    assert {"latent_mean", "latent_logvar"} <= set(plan.split.boundary_params)
+    assert plan.split.models["stage2"] == (DENOISER[family],)
+
+    first = preprocess(config, workers=1, progress=False)
+    assert first.computed == 8
+    report = run(config, root)
+    assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
+    assert report.models_loaded == [DENOISER[family]]  # only the denoiser in stage 2
+    denoiser = DENOISER[family]
+    lora_file = Path(report.outputs[denoiser])
+    assert lora_file.name == "pytorch_lora_weights.safetensors"
+    with safe_open(str(lora_file), "pt") as handle:
+        assert json.loads(handle.metadata()["lora_adapter_metadata"])[f"{denoiser}.lora_alpha"] == 8
+        assert all(k.startswith(f"{denoiser}.") for k in handle.keys())  # noqa: SIM118
+
+    unsplit = run(job(root, kind, f"{kind}-unsplit", mode="unsplit"), root)
+    assert unsplit.losses == pytest.approx(report.losses, rel=1e-5)
+    assert sorted(unsplit.models_loaded) == sorted(plan.family.model_names)
+
+    plan, trained = trained_from_checkpoint(config, report)
+    step = fixed_step(plan, config, trained)
+    expected = predict(plan, trained, step)
+    pipe = fresh_pipeline(kind, root)
+    base = predict(plan, getattr(pipe, denoiser), step)
+    assert not torch.allclose(base, expected, atol=1e-6)  # the LoRA learned something
+    pipe.load_lora_weights(lora_file.parent)
+    assert torch.allclose(predict(plan, getattr(pipe, denoiser), step), expected, atol=2e-5)
+
+    kohya = Path(report.outputs[f"{denoiser}_kohya"])
+    with safe_open(str(kohya), "pt") as handle:
+        meta = handle.metadata()
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_steps"]) == ("4", "8.0", "2")
+    if family in KOHYA_LOADS:
+        pipe = fresh_pipeline(kind, root)
+        pipe.load_lora_weights(str(kohya))
+        assert torch.allclose(predict(plan, getattr(pipe, denoiser), step), expected, atol=2e-5)
+
+
+def test_a_sharded_override_of_the_denoiser_loads_the_same_weights(root):
+    sharded = write_tiny_folder("flux", root / "flux-sharded", max_shard_size="40KB")
+    index = sharded / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+    assert index.is_file() and len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+    plain = job(root, "flux", "flux-plain")
+    override = job(root, "flux", "flux-override", models={"transformer": {"weights": str(index)}})
+    # The cache key fingerprints content: the shards hold the same tensors as the one file,
+    # but in other files, so stage 1 (which never reads the transformer) shares the cache.
+    assert make_plan(override).cache_key == make_plan(plain).cache_key
+    preprocess(plain, workers=1, progress=False)
+    assert run(override, root).losses == run(plain, root).losses
+
+
+def test_full_fine_tuning_exports_a_component_folder_from_pretrained_loads(root):
+    from diffusers import SD3Transformer2DModel
+
+    config = job(root, "sd3", "sd3-full", trainable={"full": ["transformer"]}, max_steps=1)
+    preprocess(config, workers=1, progress=False)
+    report = run(config, root)
+    out = Path(report.output_url)
+    assert Path(report.outputs["transformer"]).name == "config.json"
+    loaded = SD3Transformer2DModel.from_pretrained(out, subfolder="transformer")
+    _, trained = trained_from_checkpoint(config, report)
+    original = SD3Transformer2DModel.from_pretrained(root / "sd3", subfolder="transformer")
+    want = trained.state_dict()
+    assert set(loaded.state_dict()) == set(want)
+    assert all(torch.equal(t, want[k]) for k, t in loaded.state_dict().items())
+    assert any(not torch.equal(t, want[k]) for k, t in original.state_dict().items())
+
+
+def test_training_the_text_encoder_moves_its_unit_to_stage_2(root):
+    config = job(root, "sd", "sd-te", trainable={"lora_base_model": "text_encoder", "lora_rank": 2})
+    plan = make_plan(config)
+    assert "PromptEncoder" in plan.split.v1 and "VAEEncoder" in plan.split.v2
+    assert set(plan.split.models["stage2"]) == {"text_encoder", "unet"}
+    preprocess(config, workers=1, progress=False)
+    report = run(config, root)
+    assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
+    exported = load_file(report.outputs["text_encoder"])
+    assert exported and all(k.startswith("text_encoder.") for k in exported)
+    pipe = fresh_pipeline("sd", root)
+    pipe.load_lora_weights(Path(report.outputs["text_encoder"]).parent)  # loads without error
+
+
+def torchrun(nproc: int, config_path: Path, out: Path) -> None:
+    """The FSDP worker under real torchrun (gloo)."""
+    out.mkdir(parents=True, exist_ok=True)
+    worker = Path(__file__).parent / "workers" / "family_fsdp_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    command += ["--standalone", str(worker), str(config_path), str(out)]
+    env = {**os.environ, **ENV}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_fsdp_on_two_ranks_equals_one_process_for_flux(root, tmp_path):
+    config = job(root, "flux", "flux-fsdp", parallelism="fsdp", nproc_per_node=2)
+    path = tmp_path / "config.json"
+    path.write_text(config.model_dump_json())
+    torchrun(1, path, tmp_path / "one")
+    torchrun(2, path, tmp_path / "two")
+    one = json.loads((tmp_path / "one" / "result-rank0.json").read_text())["losses"]
+    two = json.loads((tmp_path / "two" / "result-rank0.json").read_text())["losses"]
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
+    a = load_file(tmp_path / "one" / "lora-rank0.safetensors")
+    b = load_file(tmp_path / "two" / "lora-rank0.safetensors")
+    assert set(a) == set(b) and len(a) > 0
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1.5e-5)

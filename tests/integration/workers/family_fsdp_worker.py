@@ -1,0 +1,69 @@
+"""Train a family's denoiser LoRA for a few steps on one fixed batch, under the job's parallelism.
+
+Run: torchrun --nproc-per-node=N tests/integration/workers/family_fsdp_worker.py CONFIG.json OUT
+Every rank sees the same batch and the same draws, so N FSDP ranks must give the one-process
+losses and adapter weights: sharding, loading the slices and the gradient reduction are exact.
+Writes OUT/result-rank{r}.json (losses) and OUT/lora-rank{r}.safetensors (gathered adapters).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.data import load_metadata
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
+from splitstage.tasks.plan import make_plan
+from splitstage.tasks.stage2.distributed import init_distributed
+from splitstage.tasks.stage2.models import build_stage2_models
+
+STEPS = 3
+
+
+def main() -> None:
+    """Build, train STEPS steps with AdamW, write losses and the gathered LoRA tensors."""
+    torch.set_num_threads(1)
+    config = config_from_dict(json.loads(Path(sys.argv[1]).read_text()))
+    out = Path(sys.argv[2])
+    info = init_distributed("cpu")
+    plan = make_plan(config)
+    family = plan.family
+    base = config.data.base_path
+    rows = load_metadata(base)[: config.train.batch_size]
+    batch = collate_samples([family.load_sample(row, base) for row in rows])
+    frozen = {name: family.build_model(name, info.device) for name in plan.split.models["stage1"]}
+    settings = family.settings()
+    run_units(plan.v2_units, StepContext(frozen, info.device, settings=settings), batch)
+    stage2 = build_stage2_models(config, plan, info)
+    optimizer = torch.optim.AdamW(stage2.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        inputs = dict(batch)
+        generator = torch.Generator().manual_seed(step)
+        ctx = StepContext(stage2.models, info.device, generator, settings)
+        run_units(plan.v1_units, ctx, inputs)
+        loss = family.training_loss(ctx, inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(stage2.models[family.denoiser], options=options)
+    rank = info.rank
+    (out / f"result-rank{rank}.json").write_text(json.dumps({"losses": losses}))
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(out / f"lora-rank{rank}.safetensors")
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
