@@ -3,16 +3,15 @@
 Run: .venv/bin/python bench/bench_families.py [--quick] [--families sd,sdxl,sd3,flux] [--rounds 8]
      [--resolution 128] [--batch 4] [--real-prompts]
 
-Each family gets a random-weight diffusers folder whose components are the real model's configs
-(SD 1.5, SDXL base, SD3-medium, FLUX.1-dev) with every width (channels, hidden sizes, head dims,
-projections) times one factor per family (1/8; FLUX 1/16), real depths and head counts, GroupNorm
-at the real channels per group, and the tokenizers of `splitstage.tiny_diffusers` (text models get
-their vocab size, so the token tables, which cost no compute, are tiny: the text : denoiser ratio
-kept is that of the parameters without token tables; both real ratios are printed). Prompts keep
-their real share of the sequence: tokens scale with the latent positions (77 CLIP tokens at 512 px
-become 5 at 128 px), except the 77 CLIP tokens SD3 and FLUX always take. One process, one thread,
-fp32, LoRA rank 4 on the denoiser's attention; the three steps run interleaved (split, unsplit,
-alone, split, ...) on one batch and medians are reported after the warm-up rounds:
+Each family trains a random-weight diffusers folder built from the real configs (SD 1.5, SDXL
+base, SD3-medium, FLUX.1-dev) with every width (channels, hidden sizes, head dims, projections,
+GroupNorm groups) divided by one factor (8; FLUX 16) and real depths and head counts, so the text
+encoder : denoiser : VAE encoder parameter ratios stay the real ones. The tokenizers are those of
+`splitstage.tiny_diffusers` and the token tables their size (they cost no compute), so the ratio
+kept is that without token tables; both real ratios are printed. Prompt tokens keep their real
+share of the denoiser's sequence (77 at 512 px -> 5 at 128 px), except the 77 CLIP tokens SD3 and
+FLUX always take. One process, one thread, fp32, LoRA rank 4; on one batch, interleaved (split,
+unsplit, alone, split, ...), medians after warm-up:
   stage-2  V2 outputs (prompt + VAE encoding) computed once; V1 units + denoiser fwd/bwd + AdamW
   unsplit  decode the images, every unit (text encoders, VAE encoder), denoiser fwd/bwd + AdamW
   alone    the denoiser fwd/bwd + AdamW on one prepared step's inputs
@@ -31,11 +30,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-for _name in ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
-    os.environ.setdefault(_name, "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+QUIET = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+for _name, _value in {**QUIET, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1"}.items():
+    os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -51,11 +48,8 @@ from splitstage.tiny_diffusers import SD_SCHEDULE, clip_tokenizer, t5_tokenizer 
 WORK = Path("runs/bench/families")
 FAMILIES = ("sd", "sdxl", "sd3", "flux")
 SCALE = {"sd": 8, "sdxl": 8, "sd3": 8, "flux": 16}  # widths are divided by this
-REAL_SIDE = {"sd": 512, "sdxl": 1024, "sd3": 1024, "flux": 1024}  # training resolution
-PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
-PIPELINES |= {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+REAL = {"sd": (512, 77), "sdxl": (1024, 77), "sd3": (1024, 256), "flux": (1024, 512)}  # px, tokens
 REAL_VOCAB = {"clip": 49408, "t5": 32128}
-REAL_PROMPT = {"sd": 77, "sdxl": 77, "sd3": 256, "flux": 512}  # max_prompt_length
 
 # The real components (diffusers / transformers constructor arguments).
 CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
@@ -86,13 +80,14 @@ WIDTHS = {  # the keys that are widths, scaled by the family's factor
     "projection_class_embeddings_input_dim", "attention_head_dim", "joint_attention_dim",
     "caption_projection_dim", "pooled_projection_dim",
 }  # fmt: skip
-UNET_HEADS = frozenset({"attention_head_dim"})  # diffusers' UNet configs: the head count (kept)
 
 
-def scaled(config: dict, factor: int, keep: frozenset[str] = frozenset()) -> dict:
-    """The config with every width divided by `factor` (tuples element-wise)."""
+def scaled(config: dict, factor: int) -> dict:
+    """The config with every width divided by `factor` (tuples element-wise); a UNet's
+    attention_head_dim is its head count in diffusers, so it stays."""
     out = dict(config)
-    for key in WIDTHS & set(config) - keep:
+    unet = "cross_attention_dim" in config
+    for key in WIDTHS & set(config) - ({"attention_head_dim"} if unet else set()):
         value = config[key]
         out[key] = tuple(v // factor for v in value) if type(value) is tuple else value // factor
     if "axes_dims_rope" in config:  # FLUX's RoPE axes must stay even and sum to the head dim
@@ -116,12 +111,11 @@ def t5(config: dict, vocab: int | None = None):
     """A T5 v1.1 encoder (gated GELU) for the tiny T5 tokenizer (table: `vocab` rows)."""
     from transformers import T5Config, T5EncoderModel
 
-    vocab = vocab or len(t5_tokenizer())
     special = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
-    cfg = T5Config(vocab_size=vocab, feed_forward_proj="gated-gelu", **special, **config)
-    model = T5EncoderModel(cfg)
-    model.tie_weights()
-    return model
+    vocab = vocab or len(t5_tokenizer())
+    return T5EncoderModel(
+        T5Config(vocab_size=vocab, feed_forward_proj="gated-gelu", **special, **config)
+    )
 
 
 def vae(config: dict, latent: int, scaling: float, shift: float | None = None):
@@ -141,16 +135,17 @@ def parts(kind: str, f: int, vocab: dict | None = None) -> tuple[str, dict, dict
     v = vocab or {}
     clip_l, clip_g = scaled(CLIP_L, f), scaled(CLIP_G, f)
     flow, ddpm = {"num_train_timesteps": 1000, "shift": 3.0}, {**SD_SCHEDULE, "clip_sample": False}
-    table = {  # denoiser, (latent channels, scaling, shift), text encoders, scheduler
-        "sd": (d.UNet2DConditionModel, SD15_UNET, (4, 0.18215, None), "L", ddpm),
-        "sdxl": (d.UNet2DConditionModel, SDXL_UNET, (4, 0.13025, None), "LG", ddpm),
-        "sd3": (d.SD3Transformer2DModel, SD3_MEDIUM, (16, 1.5305, 0.0609), "lGT", flow),
-        "flux": (d.FluxTransformer2DModel, FLUX_DEV, (16, 0.3611, 0.1159), "LT", flow),
+    sd, unet_class = "StableDiffusion", d.UNet2DConditionModel
+    table = {  # pipeline, denoiser, (latent channels, scaling, shift), text encoders, scheduler
+        "sd": (sd, unet_class, SD15_UNET, (4, 0.18215, None), "L", ddpm),
+        "sdxl": (f"{sd}XL", unet_class, SDXL_UNET, (4, 0.13025, None), "LG", ddpm),
+        "sd3": (f"{sd}3", d.SD3Transformer2DModel, SD3_MEDIUM, (16, 1.5305, 0.0609), "lGT", flow),
+        "flux": ("Flux", d.FluxTransformer2DModel, FLUX_DEV, (16, 0.3611, 0.1159), "LT", flow),
     }
-    denoiser, config, latents, encoders, schedule = table[kind]
+    pipeline, denoiser, config, latents, encoders, schedule = table[kind]
     unet = kind in ("sd", "sdxl")
     components = {
-        "unet" if unet else "transformer": denoiser(**scaled(config, f, UNET_HEADS * unet)),
+        "unet" if unet else "transformer": denoiser(**scaled(config, f)),
         "vae": vae(scaled(VAE, f), *latents),
         "scheduler": (d.DDPMScheduler if unet else d.FlowMatchEulerDiscreteScheduler)(**schedule),
     }
@@ -164,15 +159,13 @@ def parts(kind: str, f: int, vocab: dict | None = None) -> tuple[str, dict, dict
     if kind == "sd":  # StableDiffusionPipeline takes no image encoder but a safety checker
         extra = {"feature_extractor": None, "safety_checker": None}
         extra["requires_safety_checker"] = False
-    return PIPELINES[kind], components, extra
+    return f"{pipeline}Pipeline", components, extra
 
 
 def counts(components: dict) -> dict[str, tuple[float, float]]:
     """Per model: (parameters, parameters without token tables); the VAE's encoder only."""
     out = {}
-    for name, model in components.items():
-        if not isinstance(model, torch.nn.Module):
-            continue
+    for name, model in ((n, m) for n, m in components.items() if isinstance(m, torch.nn.Module)):
         if name == "vae":
             model = torch.nn.ModuleList([model.encoder, model.quant_conv or torch.nn.Identity()])
         total = sum(p.numel() for p in model.parameters())
@@ -217,21 +210,16 @@ def job_config(kind: str, folder: Path, work: Path, side: int, batch: int, promp
     pipeline = {"name": kind, "pretrained": str(folder), "resolution": side}
     denoiser = "unet" if kind in ("sd", "sdxl") else "transformer"
     return config_from_dict({
-        "job": {"name": f"bench-{kind}", "seed": 0},
+        "job": {"name": f"bench-{kind}", "seed": 0}, "data": {"base_path": str(work / "data")},
         "pipeline": pipeline | {"max_prompt_length": prompt},
         "trainable": {"lora_base_model": denoiser, "lora_rank": rank},
-        "data": {"base_path": str(work / "data")},
-        "cache": {"url": str(work / "cache")},
+        "cache": {"url": str(work / "cache")}, "output": {"url": str(work / "out")},
         "train": {"batch_size": batch, "max_steps": 3},
-        "output": {"url": str(work / "out")},
     })  # fmt: skip
 
 
 class Steps:
-    """One batch's training steps three ways (split, unsplit, denoiser alone), models loaded.
-
-    Frozen models load as the family builds them (bf16 on GPUs); the denoiser is trained in
-    fp32 with LoRA (as stage 2's trainer does), under `precision` autocast when given."""
+    """One batch's training step three ways (split, unsplit, denoiser alone), models loaded."""
 
     def __init__(self, config, device: torch.device, precision: torch.dtype | None = None):
         self.plan = plan = make_plan(config)
@@ -240,7 +228,8 @@ class Steps:
         self.autocast = partial(torch.autocast, device.type, dtype=precision)
         self.autocast = contextlib.nullcontext if precision is None else self.autocast
         self.models = {name: family.build_model(name, device) for name in family.model_names}
-        name = family.denoiser
+        name = family.denoiser  # frozen: as the family builds them (bf16 on GPUs); the denoiser
+        # trains in fp32 with LoRA under `precision` autocast, as stage 2's trainer does
         self.models[name] = add_lora(self.models[name].float(), config, family).train()
         params = [p for p in self.models[name].parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -312,13 +301,6 @@ def ratios(numbers: dict[str, tuple[float, float]]) -> tuple[float, float, float
     return text, bare, numbers["vae"][0] / denoiser
 
 
-def prompt_length(kind: str, resolution: int, real_prompts: bool) -> int:
-    """Prompt tokens keeping the real tokens : latent positions share (or the real length)."""
-    if real_prompts:
-        return REAL_PROMPT[kind]
-    return max(2, round(REAL_PROMPT[kind] * (resolution / REAL_SIDE[kind]) ** 2))
-
-
 def timed(step, device: torch.device | None = None) -> float:
     """Seconds one call of `step` takes (waiting for the GPU's queue on CUDA)."""
     start = time.perf_counter()
@@ -330,9 +312,9 @@ def timed(step, device: torch.device | None = None) -> float:
 
 def bench_family(kind: str, args) -> dict:
     """Build, load and time one family; returns its figures."""
-    folder = WORK / kind
-    scaled_counts = write_folder(kind, folder)
-    length = prompt_length(kind, args.resolution, args.real_prompts)
+    scaled_counts = write_folder(kind, folder := WORK / kind)
+    side, length = REAL[kind]  # prompt tokens keep their share of the latent positions
+    length = length if args.real_prompts else max(2, round(length * (args.resolution / side) ** 2))
     config = job_config(kind, folder, WORK, args.resolution, args.batch, length)
     bench = Steps(config, torch.device("cpu"))
     steps = {"split": bench.split, "unsplit": bench.unsplit, "alone": bench.alone}
@@ -346,8 +328,9 @@ def bench_family(kind: str, args) -> dict:
     medians = {name: statistics.median(t[args.warmup :]) for name, t in times.items()}
     result = dict(kind=kind, scale=SCALE[kind], prompt_length=length, counts=scaled_counts)
     result |= dict(v1=[u.spec.name for u in bench.plan.v1_units], real_counts=real_counts(kind))
-    result |= dict(v2=[u.spec.name for u in bench.plan.v2_units])
-    result |= {f"{name}_s": value for name, value in medians.items()}
+    result |= {"v2": [u.spec.name for u in bench.plan.v2_units]} | {
+        f"{n}_s": v for n, v in medians.items()
+    }
     result["v2_unit_s"] = {name: statistics.median(t[args.warmup :]) for name, t in units.items()}
     result["step_ratio"] = medians["split"] / medians["unsplit"]
     result["split_vs_denoiser"] = medians["split"] / medians["alone"]
@@ -376,14 +359,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="64 px, fewer rounds (~3 min)")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--resolution", type=int, default=None, help="default 128 (quick: 64)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--real-prompts", action="store_true", help="real prompt lengths")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (5 if args.quick else 8)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    args.resolution = args.resolution or (64 if args.quick else 128)
+    args.warmup, args.resolution = (
+        (1, args.resolution or 64) if args.quick else (2, args.resolution or 128)
+    )
     torch.set_num_threads(1)
     write_digits_dataset(WORK / "data", limit=args.batch, size=32)
     results = []
@@ -403,10 +386,11 @@ def main(argv=None) -> dict:
             ("denoiser alone", r["alone_s"], r["split_vs_denoiser"], "<= 1.15"),
         ):
             met = "yes" if ratio < 1 or (goal == "<= 1.15" and ratio <= 1.15) else "NO"
-            measured = f"{split * 1e3:.0f} ms / {other * 1e3:.0f} ms"
-            print(
-                f"{k + ': stage-2 step / ' + label:36} {measured:28} {ratio:7.3f} {goal:>7}  {met}"
+            measured, name = (
+                f"{split * 1e3:.0f} ms / {other * 1e3:.0f} ms",
+                f"{k}: stage-2 step / {label}",
             )
+            print(f"{name:36} {measured:28} {ratio:7.3f} {goal:>7}  {met}")
     return figures
 
 

@@ -33,18 +33,26 @@ import time
 from functools import partial
 from pathlib import Path
 
+try:
+    import torch
+except ImportError as _error:  # main() says so in one line
+    torch, TORCH_ERROR = None, _error
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-for _name in ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
-    os.environ.setdefault(_name, "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+QUIET = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+for _name, _value in {**QUIET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}.items():
+    os.environ.setdefault(_name, _value)
 
 # kind: (width divisor, resolution, batch, samples encoded, encode batch); then rounds, warm-up
 FULL = {"sd": (1, 512, 4, 64, 8), "sdxl": (1, 1024, 2, 32, 4), "rounds": 10, "warmup": 2}
 SMOKE = {"sd": (16, 64, 2, 8, 4), "sdxl": (16, 64, 2, 4, 2), "rounds": 3, "warmup": 1}
 ARCH = {"sd": "SD 1.5", "sdxl": "SDXL base"}
+
+
+class Skipped(Exception):
+    """A row that cannot run (what it needs failed or was skipped above)."""
 
 
 class Check:
@@ -76,7 +84,9 @@ class Check:
         signal.setitimer(signal.ITIMER_REAL, limit)
         try:
             results = work()
-        except BaseException as error:  # noqa: BLE001 - every failure becomes one table row
+        except Skipped as error:
+            return self.add(name, f"skipped: {error}")
+        except BaseException as error:  # every failure becomes one table row
             if isinstance(error, KeyboardInterrupt):
                 raise
             reason = " ".join(str(error).split())[:160] or type(error).__name__
@@ -122,8 +132,6 @@ def gib(count: float) -> str:
 
 def describe(device) -> str:
     """The device, its memory and the torch build."""
-    import torch
-
     cuda = torch.version.cuda
     if device.type != "cuda":
         return f"cpu (smoke test), torch {torch.__version__}, CUDA build {cuda}"
@@ -139,7 +147,6 @@ def imports() -> str:
     importable_splitstage()
     import diffusers
     import peft
-    import torch
     import transformers
 
     libraries = (torch, diffusers, transformers, peft)
@@ -148,7 +155,6 @@ def imports() -> str:
 
 def build_folder(kind: str, size: tuple, device, work: Path, state: dict):
     """Write the (full-size) folder of `kind`, built on the device, saved in bf16."""
-    import torch
     from bench_families import REAL_VOCAB, write_folder
 
     started = time.perf_counter()
@@ -166,13 +172,12 @@ def build_folder(kind: str, size: tuple, device, work: Path, state: dict):
 
 def load_steps(kind: str, size: tuple, device, work: Path, state: dict):
     """Load every model of the folder and prepare the batch the steps train on."""
-    import torch
     from bench_families import Steps, job_config
 
     from splitstage.pipelines.digits import write_digits_dataset
 
     if kind not in state:
-        raise RuntimeError(f"no {kind} folder (its build failed above)")
+        raise Skipped(f"no {kind} folder (see its build row)")
     started = time.perf_counter()
     write_digits_dataset(work / "data", limit=8, size=64)
     rank = 16 if size[0] == 1 else 4
@@ -180,12 +185,12 @@ def load_steps(kind: str, size: tuple, device, work: Path, state: dict):
     precision = torch.bfloat16 if device.type == "cuda" else None
     state[kind]["steps"] = steps = Steps(config, device, precision)
     names = ", ".join(f"{n} {next(m.parameters()).dtype}" for n, m in steps.models.items())
-    return f"{names}; V2 {[u.spec.name for u in steps.plan.v2_units]} in {time.perf_counter() - started:.0f} s"
+    v2 = [u.spec.name for u in steps.plan.v2_units]
+    return f"{names}; V2 {v2}; {time.perf_counter() - started:.0f} s"
 
 
 def encode(kind: str, size: tuple, device, state: dict):
     """Stage 1 without I/O: the V2 units over N decoded samples, batched, under no_grad."""
-    import torch
     from bench_families import timed
 
     from splitstage.pipelines.runtime import collate_samples, run_units
@@ -203,7 +208,8 @@ def encode(kind: str, size: tuple, device, state: dict):
 
     timed(lambda: stage1(batches[0]), device)  # warm-up
     seconds = sum(timed(lambda b=b: stage1(b), device) for b in batches)
-    return f"{count} samples in {seconds:.2f} s = {count / seconds:.1f} samples/s (batch {per}, {size[1]} px)"
+    rate = f"{count / seconds:.1f} samples/s"
+    return f"{count} samples in {seconds:.2f} s = {rate} (batch {per}, {size[1]} px)"
 
 
 def step_times(kind: str, size: tuple, device, state: dict, check: Check, sizes: dict):
@@ -220,13 +226,12 @@ def step_times(kind: str, size: tuple, device, state: dict, check: Check, sizes:
             break
     done = max(1, len(times["split"]) - warmup)
     split, unsplit = (statistics.median(t[-done:]) for t in times.values())
-    return f"{split * 1e3:.0f} ms / {unsplit * 1e3:.0f} ms = {split / unsplit:.3f} (median of {done}, batch {size[2]}, {size[1]} px)"
+    where = f"median of {done}, batch {size[2]}, {size[1]} px"
+    return f"{split * 1e3:.0f} ms / {unsplit * 1e3:.0f} ms = {split / unsplit:.3f} ({where})"
 
 
 def peak_memory(kind: str, device, state: dict):
     """Peak CUDA memory of 2 steps each: only the stage-2 models on the GPU, then all of them."""
-    import torch
-
     steps = _steps(state, kind)
     if device.type != "cuda":
         steps.split(), steps.unsplit()  # the same code path; CPU has no peak counter
@@ -243,14 +248,12 @@ def peak_memory(kind: str, device, state: dict):
             getattr(steps, name)()
         torch.cuda.synchronize(device)
         peaks[name] = torch.cuda.max_memory_allocated(device)
-    ratio = peaks["split"] / peaks["unsplit"]
-    return f"{gib(peaks['split'])} / {gib(peaks['unsplit'])} = {ratio:.3f} (stage 2 leaves {offloaded} off the GPU)"
+    ratio, off = peaks["split"] / peaks["unsplit"], f"stage 2 leaves {offloaded} off the GPU"
+    return f"{gib(peaks['split'])} / {gib(peaks['unsplit'])} = {ratio:.3f} ({off})"
 
 
 def release(kind: str, device, state: dict) -> None:
     """Free the family's models before the next one."""
-    import torch
-
     state.get(kind, {}).pop("steps", None)
     gc.collect()
     if device.type == "cuda":
@@ -265,7 +268,8 @@ from splitstage.tasks.stage2.distributed import close_distributed, init_distribu
 info = init_distributed()
 value = torch.full((4,), float(info.rank + 1), device=info.device)
 dist.all_reduce(value)
-print(f"ALLREDUCE backend={dist.get_backend()} device={info.device} world={info.world_size} sum={value[0].item()}")
+print(f"ALLREDUCE backend={dist.get_backend()} device={info.device} world={info.world_size}",
+      f"sum={value[0].item()}")
 close_distributed()
 """
 
@@ -274,25 +278,21 @@ def all_reduce(device, work: Path, check: Check):
     """torchrun --nproc_per_node 1 with splitstage's init_distributed: the backend and a sum."""
     script = work / "all_reduce.py"
     script.write_text(ALL_REDUCE)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=1",
-        str(script),
-    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     env = {**os.environ, "SPLITSTAGE_DEVICE": device.type, "NCCL_DEBUG": "INFO"}
-    started = time.perf_counter()
-    done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=max(1, check.row_left())
+    started, command, limit = (
+        time.perf_counter(),
+        [*torchrun, "--nproc-per-node=1", str(script)],
+        max(1, check.row_left()),
     )
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=limit)
     lines = (done.stdout + done.stderr).splitlines()
     found = [line for line in lines if line.startswith("ALLREDUCE")]
     if done.returncode or not found:
         raise RuntimeError(f"exit {done.returncode}: {(lines or ['no output'])[-1]}")
     nccl = sum("NCCL INFO" in line for line in lines)
-    return f"{found[0].removeprefix('ALLREDUCE ')}; {nccl} NCCL log lines; {time.perf_counter() - started:.1f} s wall"
+    wall = time.perf_counter() - started
+    return f"{found[0].removeprefix('ALLREDUCE ')}; {nccl} NCCL log lines; {wall:.1f} s wall"
 
 
 def launcher(device, work: Path, check: Check):
@@ -318,28 +318,23 @@ def launcher(device, work: Path, check: Check):
     preprocess(config, workers=1, progress=False)
     lines: list[str] = []
     env = {"SPLITSTAGE_DEVICE": device.type, "NCCL_DEBUG": "INFO"}
-    report = train(
-        config,
-        run_root=base / "runs",
-        env=env,
-        on_line=lines.append,
-        timeout=max(1, check.row_left() - 2),
-    )
+    limit = max(1, check.row_left() - 2)
+    report = train(config, run_root=base / "runs", env=env, on_line=lines.append, timeout=limit)
+    if not report.updates:
+        raise RuntimeError(f"no update finished; last line: {(lines or ['none'])[-1]}")
     nccl = sum("NCCL INFO" in line for line in lines)
     backend = f"nccl ({nccl} NCCL log lines)" if nccl else "no NCCL log lines (gloo on CPU)"
     step = statistics.median(report.step_seconds[2:] or report.step_seconds or [float("nan")])
     loss = report.losses[-1] if report.losses else float("nan")
-    return [
-        ("launcher train(): backend", backend),
-        ("launcher train(): run", f"{report.updates} updates on {report.world_size} rank(s), "
-         f"models loaded {report.models_loaded}, median step {step * 1e3:.1f} ms, final loss {loss:.4f}"),
-    ]  # fmt: skip
+    run = f"{report.updates} updates on {report.world_size} rank(s), models loaded "
+    run += f"{report.models_loaded}, median step {step * 1e3:.1f} ms, final loss {loss:.4f}"
+    return [("launcher train(): backend", backend), ("launcher train(): run", run)]
 
 
 def _steps(state: dict, kind: str):
     """The family's loaded steps, or why there are none."""
     if "steps" not in state.get(kind, {}):
-        raise RuntimeError(f"no {kind} models (their load failed above)")
+        raise Skipped(f"no {kind} models (see their load row)")
     return state[kind]["steps"]
 
 
@@ -354,14 +349,12 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="hard cap, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the temp folders")
     args = parser.parse_args(argv)
-    try:
-        import torch
-    except ImportError as error:
-        print(f"gpu_check: torch is not importable here ({error}); nothing checked")
+    if torch is None:
+        print(f"gpu_check: torch is not importable here ({TORCH_ERROR}); nothing checked")
         return 0
     if not args.cpu_smoke and not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build "
-              f"{torch.version.cuda}); nothing checked (--cpu-smoke runs the code on CPU)")  # fmt: skip
+        build = f"torch {torch.__version__}, CUDA build {torch.version.cuda}"
+        print(f"gpu_check: no CUDA device here ({build}); nothing checked (--cpu-smoke: on CPU)")
         return 0
     torch.set_num_threads(1 if args.cpu_smoke else os.cpu_count() or 1)
     sizes = SMOKE if args.cpu_smoke else FULL
@@ -390,9 +383,8 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    print(
-        f"\n| check ({time.monotonic() - check.start:.0f} s of {check.cap:.0f}) | result |\n|---|---|"
-    )
+    print(f"\n| check ({time.monotonic() - check.start:.0f} s of {check.cap:.0f} s) | result |")
+    print("|---|---|")
     for name, result in check.rows:
         print(f"| {name} | {result.replace('|', '/')} |")
     out = os.environ.get("OUT")

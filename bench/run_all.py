@@ -44,6 +44,11 @@ def main(argv=None) -> int:
     table.append(("stage-2 step / denoiser alone", stage2["split_vs_denoiser"], "<= 1.15"))
     table.append(("stage-2 peak RSS / unsplit", stage2["rss_ratio"], "<= 0.6"))
     table.append(("loader stall share, cache on S3", stage2["s3_stall_share"], "< 0.05"))
+    families = run("bench_families", ["--quick"] if q else [])
+    for kind in ("sd", "sdxl", "sd3", "flux"):
+        ratio, vs_denoiser = families[f"{kind}_step_ratio"], families[f"{kind}_split_vs_denoiser"]
+        table.append((f"{kind}: stage-2 step / unsplit step", ratio, "< 1"))
+        table.append((f"{kind}: stage-2 step / denoiser alone", vs_denoiser, "<= 1.15"))
     e2e = run("bench_end_to_end", ["--epochs", "3" if q else "10"])
     table.append(
         (f"end to end split / unsplit wall, {3 if q else 10} epochs", e2e["ratio"], "<= 0.45")

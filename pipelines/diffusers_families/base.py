@@ -26,7 +26,7 @@ from splitstage.pipelines.diffusers_families.components import (
 )
 from splitstage.pipelines.diffusers_families.export import component_folder_files, lora_files
 from splitstage.pipelines.diffusers_families.folder import PipelineFolder
-from splitstage.pipelines.diffusers_families.text import load_tokenizer
+from splitstage.pipelines.diffusers_families.text import load_tokenizer, tokenizer_folder
 from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline, Unit
@@ -190,11 +190,19 @@ class DiffusersFamily(Family):
     def fingerprint_source(self, name: str) -> dict[str, Any]:
         """Class, config and weights files (hashed by content, memoized) of a component."""
         component = self.folder.component(name)
+        files = [str(path) for path in component.weight_files()]
+        if name.startswith("text_encoder"):  # its tokenizer decides the embeddings too
+            files += [str(p) for p in self.tokenizer_files(name)]
         return {
             "class": f"{component.library}.{component.class_name}",
             "config": self.folder.config(name),
-            "files": [str(path) for path in component.weight_files()],
+            "files": files,
         }
+
+    def tokenizer_files(self, encoder: str) -> list[Path]:
+        """Every file of an encoder's tokenizer folder (vocab, merges, tokenizer.json, ...)."""
+        folder = tokenizer_folder(self.folder.root, encoder)
+        return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
 
     def weights_file(self, name: str) -> tuple[str, str] | None:
         """The component's safetensors file or sharded index, as diffusers saved it."""

@@ -44,6 +44,7 @@ def stage_fqns(config: SplitstageConfig, num_stages: int) -> list[list[str]]:
     family = family_for(config)
     meta = family.build_model(family.denoiser, torch.device("meta"), meta=True)
     fqns = family.pp_module_fqns(meta)
+    family.pp_prune(meta, fqns)  # refuses here, before launch, a family that cannot prune
     layout = layout_from_fqns(fqns)
     try:
         parts = validate_stages(assign_stages(layout, num_stages), fqns)

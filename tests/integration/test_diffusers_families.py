@@ -224,17 +224,41 @@ def torchrun(nproc: int, config_path: Path, out: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_fsdp_on_two_ranks_equals_one_process_for_flux(root, tmp_path):
-    config = job(root, "flux", "flux-fsdp", parallelism="fsdp", nproc_per_node=2)
+@pytest.fixture(scope="module")
+def one_process(root, tmp_path_factory):
+    """Per family, the worker's losses and adapters in one process (computed once)."""
+    results = {}
+
+    def get(kind: str):
+        if kind not in results:
+            out = tmp_path_factory.mktemp(f"{kind}-one")
+            path = out / "config.json"
+            path.write_text(job(root, kind, f"{kind}-one").model_dump_json())
+            torchrun(1, path, out)
+            results[kind] = worker_result(out)
+        return results[kind]
+
+    return get
+
+
+def worker_result(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Rank 0's losses and gathered adapter tensors."""
+    losses = json.loads((out / "result-rank0.json").read_text())["losses"]
+    return losses, load_file(out / "lora-rank0.safetensors")
+
+
+@pytest.mark.parametrize(("kind", "parallelism"), [("flux", "fsdp"), ("flux", "tp"), ("sd3", "tp")])
+def test_two_ranks_equal_one_process(root, tmp_path, one_process, kind, parallelism):
+    # TP shards the joint blocks' attention by heads: each rank's attention must see heads / 2.
+    train = {"parallelism": parallelism, "nproc_per_node": 2}
+    if parallelism == "tp":
+        train["tp_degree"] = 2
     path = tmp_path / "config.json"
-    path.write_text(config.model_dump_json())
-    torchrun(1, path, tmp_path / "one")
-    torchrun(2, path, tmp_path / "two")
-    one = json.loads((tmp_path / "one" / "result-rank0.json").read_text())["losses"]
-    two = json.loads((tmp_path / "two" / "result-rank0.json").read_text())["losses"]
-    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
-    a = load_file(tmp_path / "one" / "lora-rank0.safetensors")
-    b = load_file(tmp_path / "two" / "lora-rank0.safetensors")
-    assert set(a) == set(b) and len(a) > 0
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1.5e-5)
+    path.write_text(job(root, kind, f"{kind}-{parallelism}", **train).model_dump_json())
+    torchrun(2, path, tmp_path)
+    losses, adapters = worker_result(tmp_path)
+    want_losses, want = one_process(kind)
+    assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert set(adapters) == set(want) and len(want) > 0
+    for key in want:
+        torch.testing.assert_close(adapters[key], want[key], rtol=1e-4, atol=1.5e-5)
