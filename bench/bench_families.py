@@ -1,6 +1,6 @@
 """Stage-2 step vs unsplit step vs the denoiser alone for the sd, sdxl, sd3 and flux families.
 
-Run: .venv/bin/python bench/bench_families.py [--quick] [--families sd,sdxl,sd3,flux] [--rounds 8]
+Run: .venv/bin/python bench/bench_families.py [--quick] [--families sd,sdxl,sd3,flux] [--rounds 12]
      [--resolution 128] [--batch 4] [--real-prompts]
 
 Each family trains a random-weight diffusers folder built from the real configs (SD 1.5, SDXL
@@ -21,7 +21,6 @@ Goals: stage-2 / unsplit < 1 for every family; stage-2 / denoiser alone <= 1.15.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -39,6 +38,7 @@ import torch  # noqa: E402
 
 from splitstage.pipelines.config import config_from_dict  # noqa: E402
 from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
+from splitstage.pipelines.registry import config_class  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
 from splitstage.tasks.data_index import index_data_set  # noqa: E402
 from splitstage.tasks.plan import make_plan  # noqa: E402
@@ -198,16 +198,18 @@ def write_folder(kind: str, folder: Path, factor=None, vocab=None, dtype=None) -
     class_name, components, extra = parts(kind, factor or SCALE[kind], vocab)
     numbers = counts(components)
     pipe = getattr(diffusers, class_name)(**components, **extra)
-    if dtype is not None:
-        pipe.to(dtype=dtype)
+    if dtype is not None:  # and off the GPU it may have been built on
+        pipe.to("cpu", dtype)
     shutil.rmtree(folder, ignore_errors=True)
     pipe.save_pretrained(folder)
     return numbers
 
 
-def job_config(kind: str, folder: Path, work: Path, side: int, batch: int, prompt: int, rank=4):
-    """A LoRA job on the folder's denoiser, data under work/data (digits)."""
+def job_config(kind, folder: Path, work: Path, side, batch, prompt, rank=4, precision="fp32"):
+    """A LoRA job on the folder's denoiser, data under work/data, frozen models in `precision`."""
     pipeline = {"name": kind, "pretrained": str(folder), "resolution": side}
+    if "precision" in config_class(kind).model_fields:
+        pipeline["precision"] = precision
     denoiser = "unet" if kind in ("sd", "sdxl") else "transformer"
     return config_from_dict({
         "job": {"name": f"bench-{kind}", "seed": 0}, "data": {"base_path": str(work / "data")},
@@ -224,12 +226,11 @@ class Steps:
     def __init__(self, config, device: torch.device, precision: torch.dtype | None = None):
         self.plan = plan = make_plan(config)
         self.family = family = plan.family
-        self.device = device
-        self.autocast = partial(torch.autocast, device.type, dtype=precision)
-        self.autocast = contextlib.nullcontext if precision is None else self.autocast
+        self.device, on = device, precision is not None
+        self.autocast = partial(torch.autocast, device.type, dtype=precision, enabled=on)
         self.models = {name: family.build_model(name, device) for name in family.model_names}
-        name = family.denoiser  # frozen: as the family builds them (bf16 on GPUs); the denoiser
-        # trains in fp32 with LoRA under `precision` autocast, as stage 2's trainer does
+        name = family.denoiser  # frozen: in pipeline.precision; the denoiser trains in fp32
+        # with LoRA under `precision` autocast, as stage 2's trainer does
         self.models[name] = add_lora(self.models[name].float(), config, family).train()
         params = [p for p in self.models[name].parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -328,9 +329,8 @@ def bench_family(kind: str, args) -> dict:
     medians = {name: statistics.median(t[args.warmup :]) for name, t in times.items()}
     result = dict(kind=kind, scale=SCALE[kind], prompt_length=length, counts=scaled_counts)
     result |= dict(v1=[u.spec.name for u in bench.plan.v1_units], real_counts=real_counts(kind))
-    result |= {"v2": [u.spec.name for u in bench.plan.v2_units]} | {
-        f"{n}_s": v for n, v in medians.items()
-    }
+    result |= {f"{n}_s": v for n, v in medians.items()}
+    result["v2"] = [u.spec.name for u in bench.plan.v2_units]
     result["v2_unit_s"] = {name: statistics.median(t[args.warmup :]) for name, t in units.items()}
     result["step_ratio"] = medians["split"] / medians["unsplit"]
     result["split_vs_denoiser"] = medians["split"] / medians["alone"]
@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--real-prompts", action="store_true", help="real prompt lengths")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (5 if args.quick else 8)
+    args.rounds = args.rounds or (5 if args.quick else 12)
     args.warmup, args.resolution = (
         (1, args.resolution or 64) if args.quick else (2, args.resolution or 128)
     )

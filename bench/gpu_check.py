@@ -1,6 +1,6 @@
 """A prepared check for one CUDA GPU without network: full-size SD 1.5 and SDXL, split vs unsplit.
 
-Run: bash bench/gpu_check.sh [--budget 280] [--keep]     (CPU smoke test: --cpu-smoke, < 2 min)
+Run: bash bench/gpu_check.sh [--budget 270] [--keep]     (CPU smoke test: --cpu-smoke, < 2 min)
 
 Builds the real architectures from their configs with random weights (SD 1.5: UNet 860M, CLIP-L,
 VAE; SDXL base: UNet 2.6B, CLIP-L + CLIP-G, VAE) as diffusers folders (bf16, save_pretrained) in a
@@ -166,7 +166,9 @@ def build_folder(kind: str, size: tuple, device, work: Path, state: dict):
         torch.cuda.empty_cache()
     state[kind] = {"folder": folder}
     written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    params = ", ".join(f"{name} {n[0] / 1e6:.1f}M" for name, n in numbers.items())
+    params = ", ".join(
+        f"{name.replace('vae', 'vae encoder')} {n[0] / 1e6:.1f}M" for name, n in numbers.items()
+    )
     return f"{params} params; {gib(written)} written in {time.perf_counter() - started:.0f} s"
 
 
@@ -181,9 +183,8 @@ def load_steps(kind: str, size: tuple, device, work: Path, state: dict):
     started = time.perf_counter()
     write_digits_dataset(work / "data", limit=8, size=64)
     rank = 16 if size[0] == 1 else 4
-    config = job_config(kind, state[kind]["folder"], work, size[1], size[2], 77, rank=rank)
-    precision = torch.bfloat16 if device.type == "cuda" else None
-    state[kind]["steps"] = steps = Steps(config, device, precision)
+    config = job_config(kind, state[kind]["folder"], work, *size[1:3], 77, rank, "bf16")
+    state[kind]["steps"] = steps = Steps(config, device, torch.bfloat16)
     names = ", ".join(f"{n} {next(m.parameters()).dtype}" for n, m in steps.models.items())
     v2 = [u.spec.name for u in steps.plan.v2_units]
     return f"{names}; V2 {v2}; {time.perf_counter() - started:.0f} s"
@@ -358,7 +359,7 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(1 if args.cpu_smoke else os.cpu_count() or 1)
     sizes = SMOKE if args.cpu_smoke else FULL
-    check = Check(args.budget or (110 if args.cpu_smoke else 280))
+    check = Check(args.budget or (110 if args.cpu_smoke else 270))
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     work = Path(tempfile.mkdtemp(prefix="splitstage-gpu-check-"))
     state: dict = {"keep": args.keep}

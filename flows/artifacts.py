@@ -26,6 +26,7 @@ from prefect.context import FlowRunContext
 from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.splitter.report import plan_rows
+from splitstage.tasks.outputs import open_output
 from splitstage.tasks.plan import JobPlan
 from splitstage.tasks.stage1.preprocess import PreprocessReport
 
@@ -149,6 +150,26 @@ def publish_loss_curve(config: SplitstageConfig, losses: Sequence[float]) -> Non
         markdown=markdown,
         key=artifact_key(config, "loss-curve"),
         description="Training loss per update (mean over ranks).",
+    )
+
+
+def publish_samples(config: SplitstageConfig, update: int, url: str) -> None:
+    """A validation grid as an image artifact (embedded PNG), one history per job."""
+    try:
+        fs, root = open_output(config, url)
+        markdown = (
+            f"![samples at update {update}]({png_data_uri(fs.cat_file(root))})\n\n"
+            f"Validation samples after update {update} (`{url}`); prompts: "
+            + "; ".join(config.validation.prompts)
+        )
+    except Exception as error:  # a grid that cannot be read must not fail the run
+        get_run_logger().warning(f"could not read the validation grid {url}: {error}")
+        return
+    _publish(
+        create_markdown_artifact,
+        markdown=markdown,
+        key=artifact_key(config, "samples"),
+        description=f"Validation samples after update {update}.",
     )
 
 

@@ -21,6 +21,7 @@ from splitstage.flows.artifacts import (
     is_top_level_run,
     publish_loss_curve,
     publish_plan,
+    publish_samples,
 )
 from splitstage.flows.cancel import cancel_event, stop_training
 from splitstage.flows.multinode import apply_node_env
@@ -34,16 +35,20 @@ from splitstage.tasks.stage2.torchrun import TorchrunError
 
 REPORT_FILE = "train-report.json"
 _UPDATE = re.compile(r"\bupdate (\d+)/(\d+)\b")
+_SAMPLES = re.compile(r"\bsamples update (\d+): (\S+)")
 
 
-def log_lines(progress: Progress) -> Callable[[str], None]:
-    """torchrun output -> the run log; `update N/M` lines move the progress artifact."""
+def log_lines(progress: Progress, config: SplitstageConfig) -> Callable[[str], None]:
+    """torchrun output -> the run log; `update N/M` lines move the progress artifact and
+    `samples update N: URL` lines publish the validation grid."""
     logger = get_run_logger()
 
     def on_line(line: str) -> None:
         logger.info(line)
         if match := _UPDATE.search(line):
             progress.set(int(match[1]), int(match[2]))
+        if match := _SAMPLES.search(line):
+            publish_samples(config, int(match[1]), match[2])
 
     return on_line
 
@@ -92,7 +97,7 @@ def train_flow(
     with cancel_event() as cancel:
         try:
             report = train_task(
-                config, run_id, log_lines(progress), cancel, timeout_s, node_rank=node_rank
+                config, run_id, log_lines(progress, config), cancel, timeout_s, node_rank=node_rank
             )
         except TorchrunError as error:
             if error.result.cancelled:

@@ -28,6 +28,7 @@ from splitstage.pipelines.urls import (
     validate_endpoint_url,
     validate_rdzv_endpoint,
 )
+from splitstage.pipelines.validation_config import ValidationConfig
 
 
 def storage_url(cls: type, value: str) -> str:
@@ -254,9 +255,12 @@ class SplitstageConfig(Group):
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
     @model_validator(mode="after")
     def _trainable_models_exist(self) -> SplitstageConfig:
+        if not self.pipeline.models_in_config:  # e.g. read from a pretrained folder
+            return self
         for name in self.trainable.models():
             if self.models and name not in self.models:
                 known = ", ".join(sorted(self.models))

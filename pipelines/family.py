@@ -21,7 +21,7 @@ from torch import nn
 
 from splitstage.pipelines.config import ConfigError, ModelConfig
 from splitstage.pipelines.registry import config_class, import_object
-from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
 from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
 from splitstage.splitter import Pipeline
 
@@ -223,8 +223,57 @@ class Family:
         name = f"{model_name}_lora.safetensors" if request.lora else f"{model_name}.safetensors"
         return {model_name: (name, save(tensors, metadata=meta))}
 
-    def sample(self, ctx: StepContext, inputs: dict[str, Any], **options: Any) -> torch.Tensor:
-        """Draw images for cached prompt embeddings (validation sampling fills this in)."""
+    # -- validation sampling ----------------------------------------------------------------------
+    def prompt_units(self) -> list[RunnableUnit]:
+        """The units that encode prompts alone (they read only `prompt`): what conditions a
+        sample, run in stage 1 for validation prompts (or in stage 2 when their model trains)."""
+        return [unit for unit in self.units() if set(unit.spec.inputs) == {"prompt"}]
+
+    def prompt_models(self) -> list[str]:
+        """The models the prompt units call."""
+        return sorted({m for unit in self.prompt_units() for m in unit.spec.onload_model_names})
+
+    def prompt_conditioning(
+        self, ctx: StepContext, prompts: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """The prompt units' tensor outputs for `prompts` (empty-prompt copies left out)."""
+        inputs: dict[str, Any] = {"prompt": list(prompts)}
+        run_units(self.prompt_units(), ctx, inputs)
+        return {
+            name: value
+            for name, value in inputs.items()
+            if isinstance(value, torch.Tensor) and not name.startswith("empty_")
+        }
+
+    default_guidance: ClassVar[float] = 1.0  # validation.guidance_scale when not given
+
+    def check_sampling(self) -> None:
+        """Refuse, before launch, validation sampling this family cannot do."""
+        raise ConfigError(
+            f"validation.prompts: the {self.name} family cannot sample yet; remove the "
+            "[validation] prompts"
+        )
+
+    def load_decoder(self, device: torch.device) -> nn.Module:
+        """The model that turns latents into images (loaded only to sample)."""
+        raise NotImplementedError(f"the {self.name} family has no decoder to sample with")
+
+    def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images [B, 3, H, W] in [-1, 1]."""
+        raise NotImplementedError(f"the {self.name} family has no decoder to sample with")
+
+    def sample(
+        self,
+        ctx: StepContext,
+        cond: dict[str, torch.Tensor],
+        uncond: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        steps: int,
+        guidance: float,
+    ) -> torch.Tensor:
+        """Latents for each row of `cond` (guided away from `uncond`), from seeded noise; every
+        rank calls it alike (a sharded denoiser's forward is collective)."""
         raise NotImplementedError(f"the {self.name} family has no sampler yet")
 
 

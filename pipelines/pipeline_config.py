@@ -20,6 +20,9 @@ class PipelineConfig(Group):
 
     name: str = Field(description="Pipeline family (see `splitstage families`).")
     family_class: ClassVar[str] = ""  # "module:Class" of the family, imported only when used
+    # Every model the job trains needs a [models.NAME] entry (False: the family finds them,
+    # e.g. in a pretrained folder, and [models.NAME] only overrides).
+    models_in_config: ClassVar[bool] = True
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:

@@ -34,6 +34,7 @@ from splitstage.pipelines.flow_matching import (
     sample_timesteps,
 )
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.pipelines.sampling import flow_euler, guided, linear_sigmas
 from splitstage.splitter import Pipeline, Unit
 
 STEP_PARAMS = ("latents", "timestep", "noise")
@@ -235,6 +236,52 @@ class DemoFamily(Family):
             inputs["prompt_mask"].to(ctx.device),
         )
         return TrainingStep(args, flow_matching_target(noise.float(), x0.float()))
+
+    # -- validation sampling ----------------------------------------------------------------------
+    default_guidance = 3.0
+
+    def decoder_path(self) -> Path:
+        """[models.vae_decoder] weights, else vae_decoder.safetensors beside the VAE's file."""
+        if "vae_decoder" in self.config.models and self.config.models["vae_decoder"].weights:
+            return Path(self.config.models["vae_decoder"].weights)
+        vae = self.model_source("vae").weights
+        return Path(vae).with_name("vae_decoder.safetensors")
+
+    def check_sampling(self) -> None:
+        """The autoencoder's decoder file is there."""
+        require_file(str(self.decoder_path()), "models.vae_decoder.weights", WEIGHTS_HINT)
+
+    def load_decoder(self, device: torch.device) -> nn.Module:
+        """The demo autoencoder's decoder (written by `splitstage demo-weights`)."""
+        from splitstage.pipelines.demo.weights import load_decoder
+
+        path = self.decoder_path()
+        require_file(str(path), "models.vae_decoder.weights", WEIGHTS_HINT)
+        return load_decoder(path).to(device).eval().requires_grad_(False)
+
+    def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (scaled as the encoder gives them) -> images in [-1, 1]."""
+        return decoder.decode(latents.to(next(decoder.parameters()).dtype))
+
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+        """Flow-matching Euler from seeded noise, classifier-free guided, in latent space."""
+        dit = ctx.model(self.denoiser, "sample")
+        dtype = next(dit.parameters()).dtype
+        side = self.config.pipeline.image_size // VAEEncoder.downsample
+        channels = weights_config(self.model_source("vae").weights)["latent_channels"]
+        count = cond["prompt_emb"].shape[0]
+        noise = torch.randn(count, channels, side, side, generator=generator)
+
+        def velocity(x: torch.Tensor, t: torch.Tensor, conditional: bool) -> torch.Tensor:
+            text = cond if conditional else uncond
+            return dit(
+                x.to(ctx.device, dtype),
+                t.to(ctx.device, dtype),
+                text["prompt_emb"].to(ctx.device, dtype),
+                text["prompt_mask"].to(ctx.device),
+            )
+
+        return flow_euler(guided(velocity, guidance), noise.to(ctx.device), linear_sigmas(steps))
 
     # -- hooks ------------------------------------------------------------------------------------
     def pp_module_fqns(self, model: nn.Module) -> list[str]:

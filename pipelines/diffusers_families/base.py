@@ -26,6 +26,7 @@ from splitstage.pipelines.diffusers_families.components import (
 )
 from splitstage.pipelines.diffusers_families.export import component_folder_files, lora_files
 from splitstage.pipelines.diffusers_families.folder import PipelineFolder
+from splitstage.pipelines.diffusers_families.sampling import vae_decode
 from splitstage.pipelines.diffusers_families.text import load_tokenizer, tokenizer_folder
 from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
@@ -36,21 +37,18 @@ CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 T5_LORA_TARGETS = ("q", "k", "v", "o")
 
 
-def frozen_dtype(device: torch.device) -> torch.dtype:
-    """Frozen components compute in bf16 on GPUs that have it, fp32 elsewhere (CPU)."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def encode_images(ctx: StepContext, image: torch.Tensor) -> dict[str, Any]:
-    """The VAE's latent distribution of each image: its mean and log-variance (or the mean)."""
+    """The VAE's latent distribution of each image: its mean and log-variance (or the mean), in
+    the VAE's dtype (pipeline.precision), as unsplit training computes them."""
     vae = ctx.model("vae", "VAEEncoder")
     dtype = next(vae.parameters()).dtype
     dist = vae.encode(image.to(ctx.device, dtype)).latent_dist
     if ctx.settings["vae_latents"] == "mean":
-        return {"latent_mean": dist.mean.float()}
-    return {"latent_mean": dist.mean.float(), "latent_logvar": dist.logvar.float()}
+        return {"latent_mean": dist.mean}
+    return {"latent_mean": dist.mean, "latent_logvar": dist.logvar}
 
 
 def make_latent_sampler(scaling: float, shift: float):
@@ -214,7 +212,7 @@ class DiffusersFamily(Family):
         component = self.folder.component(name)
         if meta:
             return build_empty(component)
-        return load_frozen(component, device, frozen_dtype(device))
+        return load_frozen(component, device, DTYPES[self.config.pipeline.precision])
 
     def init_buffers(self, model: nn.Module) -> None:
         """CLIP's position ids and T5's tied embeddings, after `to_empty`."""
@@ -229,6 +227,19 @@ class DiffusersFamily(Family):
     def denoiser_dtype(self, ctx: StepContext) -> torch.dtype:
         """The dtype the denoiser's inputs are cast to (its parameters')."""
         return next(ctx.model(self.denoiser, "model_fn").parameters()).dtype
+
+    # -- validation sampling ---------------------------------------------------------------------
+    def check_sampling(self) -> None:
+        """The VAE (its decoder) is in the folder."""
+        self.folder.component("vae")
+
+    def load_decoder(self, device: torch.device) -> nn.Module:
+        """The folder's VAE, loaded only to decode samples."""
+        return self.build_model("vae", device)
+
+    def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (shifted and scaled as trained) -> images in [-1, 1]."""
+        return vae_decode(self, decoder, latents)
 
     # -- hooks -----------------------------------------------------------------------------------
     def lora_targets(self, name: str) -> list[str]:

@@ -146,7 +146,9 @@ def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) 
     _refuse_misfit(component, model, {key: tuple(t.shape) for key, t in state.items()})
     model.load_state_dict(state, strict=False, assign=True)
     init_buffers(model)
-    model.to(device=device, dtype=dtype)
+    model.to(device)
+    if dtype != torch.float32:  # diffusers warns on any .to(dtype); the files are usually fp32
+        model.to(dtype)
     _check_materialized(model, component)
     return model.eval().requires_grad_(False)
 

@@ -19,6 +19,7 @@ class DiffusersPipelineConfig(PipelineConfig):
 
     # Latents are 1/8 of the pixels; the transformer families patch 2x2 on top of that.
     pixel_multiple: ClassVar[int] = 8
+    models_in_config: ClassVar[bool] = False  # components come from `pretrained`
 
     pretrained: str = setting(
         ...,
@@ -35,6 +36,13 @@ class DiffusersPipelineConfig(PipelineConfig):
         ge=0.0,
         le=1.0,
         description="Per-step chance to train on the empty prompt's embeddings instead.",
+    )
+    precision: Literal["bf16", "fp16", "fp32"] = setting(
+        "bf16",
+        stage1=True,
+        description="dtype the frozen components (text encoders, VAE) compute and the cache "
+        "stores their outputs in, on every device (part of the cache key, so CPU and GPU "
+        "workers fill one cache alike); the trained model follows train.mixed_precision.",
     )
     vae_latents: Literal["sample", "mean"] = setting(
         "sample",

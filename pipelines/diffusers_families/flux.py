@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from splitstage.pipelines.diffusers_families.mmdit import FlowTransformerFamily
+from splitstage.pipelines.diffusers_families.packing import image_ids, pack
 from splitstage.pipelines.diffusers_families.recipes import flow_draw
+from splitstage.pipelines.diffusers_families.sampling import flux_sample
 from splitstage.pipelines.diffusers_families.text import (
     CLIP_LENGTH,
     clip_last,
@@ -22,26 +24,11 @@ from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Unit
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, H/2 * W/2, 4C], as FluxPipeline packs (a pure permutation)."""
-    from diffusers import FluxPipeline
-
-    b, c, h, w = latents.shape
-    return FluxPipeline._pack_latents(latents, b, c, h, w)
-
-
-def image_ids(latents: torch.Tensor) -> torch.Tensor:
-    """Position ids [H/2 * W/2, 3] of the packed latent tokens."""
-    from diffusers import FluxPipeline
-
-    b, _, h, w = latents.shape
-    return FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
-
-
 class FluxFamily(FlowTransformerFamily):
     """FLUX.1 dev / schnell (and other FluxPipeline folders)."""
 
     name = "flux"
+    default_guidance = 3.5  # what the guidance embedding is told (FLUX.1-dev is distilled)
     model_names = ("text_encoder", "text_encoder_2", "vae", "transformer")
     pipeline_classes = ("FluxPipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
@@ -95,3 +82,7 @@ class FluxFamily(FlowTransformerFamily):
             "img_ids": image_ids(x0).to(dtype),
         }
         return TrainingStep((), pack(draw["target"]), draw["weight"], kwargs)
+
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+        """Flow-matching Euler, shifted for the image size; guidance goes to the model."""
+        return flux_sample(self, ctx, cond, uncond, generator, steps=steps, guidance=guidance)

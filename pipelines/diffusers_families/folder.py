@@ -22,6 +22,23 @@ PIPELINE_FAMILIES = {  # model_index.json _class_name -> the family that trains 
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
 }
+# Config keys that fix what a component exchanges with the others (latent channels, text widths,
+# conditioning): an override must keep the folder's, since the other components stay.
+INTERFACE_KEYS = (
+    "in_channels",
+    "out_channels",
+    "latent_channels",
+    "cross_attention_dim",
+    "addition_embed_type",
+    "projection_class_embeddings_input_dim",
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "guidance_embeds",
+    "patch_size",
+    "hidden_size",
+    "projection_dim",
+    "d_model",
+)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_HINT = (
     "download it once (`hf download {id} --local-dir DIR`, on a machine with network) and set "
@@ -260,11 +277,30 @@ class PipelineFolder:
         if name in self.overrides:
             from splitstage.pipelines.diffusers_families.components import check_fits
 
+            self._check_interface(component)
             check_fits(component)
         if name.startswith("text_encoder"):
             from splitstage.pipelines.diffusers_families.text import load_tokenizer
 
             load_tokenizer(self.root, name)
+
+    def _check_interface(self, override: Component) -> None:
+        """An override with its own config.json keeps the sizes the other components use."""
+        own = self.root / override.name / "config.json"
+        if override.config_dir == own.parent or not own.is_file():
+            return
+        mine = read_json(override.config_dir / "config.json", "config", override.source)
+        theirs = read_json(
+            own, f"{override.name} config", f"pipeline.pretrained ({override.name}/)"
+        )
+        differ = [k for k in INTERFACE_KEYS if k in mine and k in theirs and mine[k] != theirs[k]]
+        if differ:
+            key = differ[0]
+            raise ConfigError(
+                f"{override.source}: {override.config_dir / 'config.json'} has {key}="
+                f"{mine[key]!r} but {own} has {theirs[key]!r}; the folder's other components "
+                f"work with the latter: give a {override.name} of this model (e.g. a fine-tune)"
+            )
 
     def config(self, name: str) -> dict[str, Any]:
         """A component's config.json (scheduler: scheduler_config.json)."""

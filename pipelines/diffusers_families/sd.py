@@ -10,6 +10,7 @@ import torch
 
 from splitstage.pipelines.diffusers_families.base import DiffusersFamily
 from splitstage.pipelines.diffusers_families.recipes import ddpm_draw, ddpm_scheduler
+from splitstage.pipelines.diffusers_families.sampling import unet_sample
 from splitstage.pipelines.diffusers_families.text import (
     clip_last,
     split_empty,
@@ -38,6 +39,14 @@ class UNetFamily(DiffusersFamily):
         """Extra UNet inputs (SDXL's added conditions)."""
         return {}
 
+    def sampling_kwargs(self, ctx: StepContext, text, count: int, dtype) -> dict[str, Any]:
+        """Extra UNet inputs when sampling (SDXL: pooled text and the target-size time ids)."""
+        return {}
+
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+        """The folder's scheduler over the UNet, classifier-free guided."""
+        return unet_sample(self, ctx, cond, uncond, generator, steps=steps, guidance=guidance)
+
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
         """Noise, timesteps, x_t; epsilon or velocity target; optional min-SNR weights."""
         x0 = inputs["input_latents"].to(ctx.device, torch.float32)
@@ -57,6 +66,7 @@ class SDFamily(UNetFamily):
     """Stable Diffusion 1.x and 2.x."""
 
     name = "sd"
+    default_guidance = 7.5
     model_names = ("text_encoder", "vae", "unet")
     pipeline_classes = ("StableDiffusionPipeline",)
     text_params = ("prompt_embeds",)

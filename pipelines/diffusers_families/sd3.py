@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from splitstage.pipelines.diffusers_families.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers_families.recipes import flow_draw
+from splitstage.pipelines.diffusers_families.sampling import sd3_sample
 from splitstage.pipelines.diffusers_families.text import (
     CLIP_LENGTH,
     clip_penultimate,
@@ -29,6 +30,7 @@ class SD3Family(FlowTransformerFamily):
     """Stable Diffusion 3 and 3.5."""
 
     name = "sd3"
+    default_guidance = 7.0
     model_names = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer")
     pipeline_classes = ("StableDiffusion3Pipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
@@ -62,16 +64,16 @@ class SD3Family(FlowTransformerFamily):
         for name in CLIPS:
             ids = token_ids(self.tokenizer(name), texts, CLIP_LENGTH, ctx.device)
             hidden, pool = clip_penultimate(ctx.model(name, "PromptEncoder"), ids)
-            states.append(hidden.float())
-            pooled.append(pool.float())
+            states.append(hidden)
+            pooled.append(pool)
         clip = torch.cat(states, dim=-1)
         width = self.folder.config("transformer")["joint_attention_dim"]
         length = self.config.pipeline.max_prompt_length
         if self.config.pipeline.use_t5:
             ids = token_ids(self.tokenizer("text_encoder_3"), texts, length, ctx.device)
-            t5 = t5_hidden(ctx.model("text_encoder_3", "PromptEncoder"), ids).float()
+            t5 = t5_hidden(ctx.model("text_encoder_3", "PromptEncoder"), ids).to(clip.dtype)
         else:
-            t5 = torch.zeros(len(texts), length, width, device=clip.device)
+            t5 = torch.zeros(len(texts), length, width, device=clip.device, dtype=clip.dtype)
         embeds = torch.cat([F.pad(clip, (0, t5.shape[-1] - clip.shape[-1])), t5], dim=-2)
         values = {"prompt_embeds": embeds, "pooled_prompt_embeds": torch.cat(pooled, dim=-1)}
         return split_empty(values, len(prompt))
@@ -89,3 +91,7 @@ class SD3Family(FlowTransformerFamily):
             "pooled_projections": inputs["pooled_prompt_embeds"].to(ctx.device, dtype),
         }
         return TrainingStep((), draw["target"], draw["weight"], kwargs)
+
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+        """Flow-matching Euler with the scheduler's shift, classifier-free guided."""
+        return sd3_sample(self, ctx, cond, uncond, generator, steps=steps, guidance=guidance)

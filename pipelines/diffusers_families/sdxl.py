@@ -38,6 +38,7 @@ class SDXLFamily(UNetFamily):
     """Stable Diffusion XL base."""
 
     name = "sdxl"
+    default_guidance = 5.0
     model_names = ("text_encoder", "text_encoder_2", "vae", "unet")
     pipeline_classes = ("StableDiffusionXLPipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
@@ -92,6 +93,28 @@ class SDXLFamily(UNetFamily):
         _, _, left, top = center_crop_box(original[1], original[0], size, size)
         sample.update(original_size=list(original), crop_top_left=[top, left])
         return sample
+
+    def prompt_conditioning(self, ctx: StepContext, prompts: Sequence[str]):
+        """As StableDiffusionXLPipeline: an empty negative prompt is zeros when the folder says
+        force_zeros_for_empty_prompt (SDXL base does)."""
+        values = super().prompt_conditioning(ctx, prompts)
+        if self.folder.index.get("force_zeros_for_empty_prompt", True):
+            empty = torch.tensor([not p for p in prompts], device=values["prompt_embeds"].device)
+            for name, value in values.items():
+                mask = empty.reshape(-1, *([1] * (value.ndim - 1)))
+                values[name] = torch.where(mask, torch.zeros_like(value), value)
+        return values
+
+    def sampling_kwargs(self, ctx: StepContext, text, count: int, dtype) -> dict[str, Any]:
+        """Pooled embedding and time ids of an uncropped square at the training resolution."""
+        size = self.config.pipeline.resolution
+        ids = torch.tensor([[size, size, 0, 0, size, size]] * count, dtype=dtype)
+        return {
+            "added_cond_kwargs": {
+                "text_embeds": text["pooled_prompt_embeds"].to(ctx.device, dtype),
+                "time_ids": ids.to(ctx.device),
+            }
+        }
 
     def unet_kwargs(self, ctx: StepContext, inputs: dict[str, Any], dtype) -> dict[str, Any]:
         """added_cond_kwargs: the pooled text embedding and the six time ids."""

@@ -80,7 +80,6 @@ def split_empty(values: dict[str, torch.Tensor], count: int) -> dict[str, torch.
     """Per-prompt outputs plus `empty_<name>` copies of the last (empty) row for each sample."""
     out = {}
     for name, value in values.items():
-        value = value.float()
         out[name] = value[:count]
         out[f"empty_{name}"] = value[count:].expand(count, *value.shape[1:])
     return out

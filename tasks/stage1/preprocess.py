@@ -41,6 +41,7 @@ from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.device import pick_device
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.validation_prompts import write_validation_prompts
 
 ProgressFn = Callable[[int, int], None]
 
@@ -86,6 +87,7 @@ class PreprocessReport:
     bytes_verified: int = 0  # shard bytes re-read for their checksum
     checksums: str = "changed"  # which shards were re-read: "changed" ones or "all"
     quarantined: list[str] = field(default_factory=list)  # the index entries moved aside
+    validation_prompts: str | None = None  # URL of the encoded [validation] prompts
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
@@ -370,6 +372,8 @@ def preprocess(
         result = summarize_preprocess(config, plan, data, reports, before, workers)
     else:  # one shard of many: the coordinator of the whole run writes the manifest
         result = summarize_shards(plan, store, data, reports, workers)
+    if shard is None or shard[0] == 0:  # once per run: the prompts are not sharded
+        result.validation_prompts = write_validation_prompts(config, plan)
     result.seconds = time.perf_counter() - started
     result.checksums = "all" if verify else "changed"
     return result

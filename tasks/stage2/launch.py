@@ -32,6 +32,7 @@ class TrainReport:
     output_url: str
     checkpoint_url: str
     outputs: dict[str, str] = field(default_factory=dict)
+    samples: dict[str, str] = field(default_factory=dict)  # update -> validation grid URL
     updates: int = 0
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0

@@ -28,6 +28,7 @@ from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.resume import compare, run_settings
 from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
+from splitstage.tasks.validation_prompts import read_validation_prompts
 
 RUN_PATHS = {"output_url": "output.url", "checkpoint_url": "train.checkpoint_url"}
 
@@ -249,8 +250,35 @@ def preflight(
         result.warnings.append(f"train would refuse now: {error}")
         result.sample_count = len(data.keys)
     check_batches(config, result.sample_count, dp)
+    check_validation(config, plan, result, strict=paths is not None)
     result.warnings += precision_warnings(config)
     if paths is not None:
         check_outputs(config, paths)
         check_resume(config, paths, result)
     return result
+
+
+def check_validation(config: SplitstageConfig, plan: JobPlan, result, *, strict: bool) -> None:
+    """[validation] can sample: a family sampler and decoder, and prompts encoded in stage 1
+    when stage 2 holds no prompt encoder (else `train` would sample nothing)."""
+    if not config.validation.enabled:
+        return
+    if config.train.parallelism == "pp":
+        raise ConfigError(
+            "validation.prompts: sampling under train.parallelism='pp' is not supported yet; "
+            "remove [validation] prompts or use 'ddp' / 'fsdp'"
+        )
+    family = plan.family
+    family.check_sampling()
+    stage2 = set(
+        family.model_names if config.train.mode == "unsplit" else plan.split.models["stage2"]
+    )
+    if set(family.prompt_models()) <= stage2 or read_validation_prompts(config, plan) is not None:
+        return
+    message = (
+        "validation.prompts are not encoded for this cache yet; run `splitstage preprocess "
+        "CONFIG` (it encodes only the prompts when the samples are cached)"
+    )
+    if strict:
+        raise ConfigError(message)
+    result.warnings.append(message)

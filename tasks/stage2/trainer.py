@@ -29,6 +29,7 @@ from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoin
 from splitstage.tasks.stage2.distributed import DistInfo, init_distributed
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
+from splitstage.tasks.stage2.validation import Validator
 
 
 class TrainingDivergedError(UserError, FloatingPointError):
@@ -128,6 +129,16 @@ class Trainer:
                 self.stage2.dp_size,
                 keys=read_samples(spec.get("samples_file")),
             )
+        )
+        self.validator = Validator(
+            self.config,
+            self.plan,
+            self.stage2.models,
+            self.dist.device,
+            spec["output_url"],
+            is_main=self.dist.is_main,
+            log=self.log,
+            autocast=self.accelerator.autocast,
         )
         params = self.stage2.parameters()
         if not params:
@@ -320,6 +331,8 @@ class Trainer:
                     )
                 if update % train.checkpoint_every == 0 or update == self.total_updates:
                     self.save(update, epoch, offset)
+                if self.validator.due(update, self.total_updates):
+                    self.validator.run(update)
                 if update >= self.total_updates or epoch_done:
                     break
         elapsed = time.perf_counter() - started
@@ -337,6 +350,7 @@ class Trainer:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "baseline_rss_mb": self.baseline_rss_mb,
             "outputs": outputs,
+            "samples": {str(k): v for k, v in self.validator.samples.items()},
         }
         if self.dist.is_main:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))

@@ -60,7 +60,7 @@ def job(root: Path, kind: str, name: str, *, models=None, trainable=None, **trai
     """A LoRA job (rank 4, alpha 8: the scale is not 1) on `kind`'s folder at 64 px."""
     family = FAMILY[kind]
     pipeline = {"name": family, "pretrained": str(root / kind), "resolution": 64}
-    pipeline["caption_dropout"] = 0.25
+    pipeline |= {"caption_dropout": 0.25, "precision": "fp32"}
     if family in ("sd3", "flux"):
         pipeline["max_prompt_length"] = 16
     return config_from_dict(

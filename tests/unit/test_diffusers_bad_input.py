@@ -18,7 +18,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,6 +71,8 @@ def assets(tmp_path_factory) -> Path:
     (files / "unet.ckpt").write_bytes(b"PK\x03\x04 pickle")
     (files / "unet.bin").write_bytes(b"PK\x03\x04 pickle")
     (files / "empty").mkdir()
+    shutil.copytree(root / "sd" / "unet", files / "wide-unet")
+    rewrite_json(files / "wide-unet" / "config.json", cross_attention_dim=64)
     (files / "config-only").mkdir()
     shutil.copy(root / "sd" / "unet" / "config.json", files / "config-only")
     # A sharded unet (two shards and their index, as save_pretrained writes), then one shard lost.
@@ -398,6 +399,14 @@ OVERRIDE_CASES = {  # name -> ([models] groups from the override files folder, n
         lambda f: unet_from(f"{f}/sharded-broken"),
         ["models.unet.weights", "00002-of-00002", "download every shard"],
     ),
+    "a vae of another model (its latent channels)": (
+        lambda f: {**unet_from(f"{f}/unet.safetensors"), "vae": {"weights": f"{f}/../flux/vae"}},
+        ["models.vae.weights", "flux/vae/config.json has latent_channels=16", "has 4"],
+    ),
+    "a unet of another model (its text width)": (
+        lambda f: unet_from(f"{f}/wide-unet"),
+        ["models.unet.weights", "cross_attention_dim=64", "give a unet of this model"],
+    ),
     "a builder": (lambda f: {"unet": {"builder": "x"}}, ["models.unet.builder", "weights ="]),
     "a key prefix": (
         lambda f: {"unet": {"weights": f"{f}/unet.safetensors", "key_prefix": "model."}},
@@ -424,13 +433,14 @@ def test_override_problems_are_found_by_the_plan_itself(assets):
         make_plan(config)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pipelines/config.py (_trainable_models_exist) wants a [models.unet] entry as soon as "
-    "any [models] entry exists, but a diffusers folder supplies the unet",
-)
-def test_overriding_only_the_vae_is_accepted(assets):
+def test_overriding_only_a_frozen_component_is_accepted(assets):
+    """The folder supplies the trained unet: a [models.vae] override alone needs no unet entry."""
     validate(job(assets, models={"vae": {"weights": str(assets / "sd" / "vae")}}))
+    refused(
+        job(assets, models={"vae": {"weights": f"{assets}/files/vae-ldm.safetensors"}}),
+        "models.vae.weights",
+        "does not fit AutoencoderKL",
+    )
 
 
 TRAINABLE_CASES = {  # name -> ([trainable], needles)
@@ -481,12 +491,12 @@ def toml(config: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def cli_runs(assets, tmp_path_factory) -> dict[str, tuple[int, str, float]]:
-    """Each CLI case's (exit code, stderr, seconds) from `splitstage validate`, run side by side."""
+def cli_runs(assets, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Each CLI case's (exit code, stderr) from `splitstage validate`, run side by side."""
     root = tmp_path_factory.mktemp("cli")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["HF_HOME"] = str(root / "hf")
-    started, running = time.monotonic(), {}
+    running = {}
     for number, (case, (edit, _)) in enumerate(sorted(CLI_CASES.items())):
         folder = edited(assets, root / str(number), edit)
         path = root / f"job-{number}.toml"
@@ -498,20 +508,19 @@ def cli_runs(assets, tmp_path_factory) -> dict[str, tuple[int, str, float]]:
     results = {}
     for case, process in running.items():
         _, err = process.communicate(timeout=120)
-        results[case] = (process.returncode, err, time.monotonic() - started)
+        results[case] = (process.returncode, err)
     return results
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
 def test_validate_on_the_command_line(case, cli_runs):
-    code, err, seconds = cli_runs[case]
+    code, err = cli_runs[case]
     assert code == 2, err
     lines = [line for line in err.split("\n") if line and "\r" not in line]
     assert len(lines) == 1 and lines[0].startswith("splitstage: error: "), err
     assert "Traceback" not in err
     for needle in CLI_CASES[case][1]:
         assert needle in err, f"{needle!r} not in {err!r}"
-    assert seconds < 60  # refused while planning, nothing launched
 
 
 def test_the_folder_names_the_family_each_pipeline_class_has():
