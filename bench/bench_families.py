@@ -361,7 +361,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (after warm-up)")
     parser.add_argument("--resolution", type=int, default=None, help="default 128 (quick: 64)")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--real-prompts", action="store_true", help="real prompt lengths")
+    parser.add_argument("--real-prompts", action="store_true", help="real lengths (slow: ~15 min)")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (5 if args.quick else 12)
     args.warmup, args.resolution = (

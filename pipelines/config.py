@@ -28,7 +28,7 @@ from splitstage.pipelines.urls import (
     validate_endpoint_url,
     validate_rdzv_endpoint,
 )
-from splitstage.pipelines.validation_config import ValidationConfig
+from splitstage.pipelines.validation_config import TrackingConfig, ValidationConfig
 
 
 def storage_url(cls: type, value: str) -> str:
@@ -256,6 +256,7 @@ class SplitstageConfig(Group):
     train: TrainConfig = Field(default_factory=TrainConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _trainable_models_exist(self) -> SplitstageConfig:

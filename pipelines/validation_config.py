@@ -1,6 +1,8 @@
-"""The `[validation]` group: prompts sampled while training, to see what the model draws."""
+"""What a run shows while it trains: `[validation]` samples and `[tracking]` (trackers)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -44,3 +46,14 @@ class ValidationConfig(Group):
     def negatives(self) -> list[str]:
         """The negative prompt of each prompt ("" where none is given)."""
         return list(self.negative_prompts or [""] * len(self.prompts))
+
+
+class TrackingConfig(Group):
+    """Experiment trackers (accelerate's integrations): loss, learning rate, throughput, grids."""
+
+    report_to: Literal["auto", "none"] | list[Literal["tensorboard", "wandb"]] = Field(
+        "auto",
+        description="'auto': TensorBoard when installed, plus Weights & Biases when configured "
+        "(WANDB_API_KEY or WANDB_MODE set); 'none'; or a list (each must be installed).",
+    )
+    project: str | None = Field(None, description="Tracker project name; default: job.name.")

@@ -18,6 +18,7 @@ from safetensors.torch import save as safetensors_save
 
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.runtime import StepContext
+from splitstage.splitter import UserError
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.storage import join, open_fs, storage_errors, write_atomic
 from splitstage.tasks.device import pick_device
@@ -84,7 +85,14 @@ def read_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> Conditio
     with storage_errors(url, "read", config.cache.storage_options):
         if not fs.exists(path):
             return None
-        tensors = safetensors_load(fs.cat_file(path))
+        data = fs.cat_file(path)
+    try:
+        tensors = safetensors_load(data)
+    except Exception as error:  # noqa: BLE001 - any decode failure means a damaged file
+        raise UserError(
+            f"{url}: the encoded validation prompts are damaged ({error}); delete the file and "
+            "run `splitstage preprocess` again"
+        ) from None
     cond = {k[5:]: v for k, v in tensors.items() if k.startswith("cond.")}
     uncond = {k[7:]: v for k, v in tensors.items() if k.startswith("uncond.")}
     return cond, uncond

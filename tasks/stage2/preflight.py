@@ -27,6 +27,7 @@ from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_sta
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.resume import compare, run_settings
+from splitstage.tasks.stage2.tracking import tracker_names
 from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
 from splitstage.tasks.validation_prompts import read_validation_prompts
 
@@ -251,6 +252,7 @@ def preflight(
         result.sample_count = len(data.keys)
     check_batches(config, result.sample_count, dp)
     check_validation(config, plan, result, strict=paths is not None)
+    tracker_names(config)  # an explicitly named tracker that is not installed
     result.warnings += precision_warnings(config)
     if paths is not None:
         check_outputs(config, paths)

@@ -29,6 +29,7 @@ from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoin
 from splitstage.tasks.stage2.distributed import DistInfo, init_distributed
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
+from splitstage.tasks.stage2.tracking import Tracking, tracker_names
 from splitstage.tasks.stage2.validation import Validator
 
 
@@ -112,7 +113,10 @@ class Trainer:
             cpu=self.dist.device.type == "cpu",
             mixed_precision=precision,
             gradient_accumulation_steps=train.gradient_accumulation_steps,
+            log_with=tracker_names(self.config) or None,
+            project_dir=str(Path(spec["run_dir"]) / "tracking"),
         )
+        self.tracking = Tracking(self.accelerator, self.config, self.log)
         self.unsplit = train.mode == "unsplit"
         self.family = self.plan.family
         names = list(self.family.model_names) if self.unsplit else None
@@ -139,6 +143,7 @@ class Trainer:
             is_main=self.dist.is_main,
             log=self.log,
             autocast=self.accelerator.autocast,
+            on_grid=self.tracking.grid,
         )
         params = self.stage2.parameters()
         if not params:
@@ -281,10 +286,12 @@ class Trainer:
         self.losses.append(loss)
         self.step_seconds.append(seconds)
         if self.dist.is_main:
+            lr = self.scheduler.get_last_lr()[0]
             with (self.run_dir / "metrics.jsonl").open("a") as handle:
-                lr = self.scheduler.get_last_lr()[0]
                 handle.write(json.dumps({"update": update, "loss": loss, "lr": lr, "s": seconds}))
                 handle.write("\n")
+            rate = self.samples_per_update / seconds if seconds > 0 else 0.0
+            self.tracking.scalars(update, {"loss": loss, "lr": lr, "samples_per_s": rate})
 
     def run(self) -> dict[str, Any]:
         """Train from the latest checkpoint to the end, then export the weights (rank 0)."""
@@ -336,6 +343,7 @@ class Trainer:
                 if update >= self.total_updates or epoch_done:
                     break
         elapsed = time.perf_counter() - started
+        self.tracking.end()
         outputs = self.export()
         result = {
             "updates": update,

@@ -9,6 +9,7 @@ publishes it as an artifact). A sampling failure is logged and never stops train
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +45,13 @@ class Validator:
         is_main: bool,
         log: Callable[[str], None],
         autocast: Callable[[], Any] = contextlib.nullcontext,
+        on_grid: Callable[[int, bytes], None] | None = None,
     ):
         self.config, self.plan, self.models, self.device = config, plan, models, device
         self.settings = config.validation
         self.output_url = output_url
         self.is_main, self.log, self.autocast = is_main, log, autocast
+        self.on_grid = on_grid  # e.g. the trackers' image logging
         self.samples: dict[int, str] = {}
         family = plan.family
         # Encode in-process when stage 2 holds the prompt encoders (trained, or unsplit).
@@ -112,6 +115,8 @@ class Validator:
 
     def sample_and_write(self, update: int) -> str | None:
         """Draw on every rank; decode and write the grid on rank 0."""
+        if os.environ.get("SPLITSTAGE_FAULT_VALIDATION"):  # fault-injection tests
+            raise RuntimeError("injected validation fault (SPLITSTAGE_FAULT_VALIDATION)")
         latents = self.draw()
         if not self.is_main:
             return None
@@ -130,4 +135,6 @@ class Validator:
         url = f"{self.output_url.rstrip('/')}/{SAMPLES_FOLDER}/{name}"
         self.samples[update] = url
         self.log(f"samples update {update}: {url}")
+        if self.on_grid is not None:
+            self.on_grid(update, png)
         return url

@@ -472,9 +472,6 @@ def test_trainable_settings_the_family_cannot_train(case, assets):
 # -- the real CLI (a subprocess each: the diffusers import costs seconds) ------------------------
 CLI_CASES = {  # name -> (edit of the sd folder, needles); each once raised a traceback or passed
     "unet config.json not JSON": FOLDER_CASES["unet config.json not JSON"],
-    "a frozen component's class no library has": FOLDER_CASES[
-        "a frozen component's class no library has"
-    ],
     "scheduler predicting the sample": FOLDER_CASES["scheduler predicting the sample"],
 }
 

@@ -1,0 +1,101 @@
+"""Experiment trackers through accelerate: TensorBoard by default when installed, W&B when
+configured; loss, learning rate, throughput and the validation grids. Optional: nothing breaks
+without them, and a tracker failing to log is a line in the log, never a failed run."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+
+INSTALL = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def installed(name: str) -> bool:
+    """Whether a tracker's package can be imported here."""
+    return importlib.util.find_spec(INSTALL[name]) is not None
+
+
+def tracker_names(config: SplitstageConfig) -> list[str]:
+    """The trackers this run logs to; an explicitly named one that is missing is an error."""
+    report_to = config.tracking.report_to
+    if report_to == "none":
+        return []
+    if report_to == "auto":
+        names = ["tensorboard"] if installed("tensorboard") else []
+        configured = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE")
+        return [*names, "wandb"] if configured and installed("wandb") else names
+    missing = [name for name in report_to if not installed(name)]
+    if missing:
+        raise ConfigError(
+            f"tracking.report_to: {', '.join(missing)} is not installed; `pip install "
+            f"{' '.join(INSTALL[m] for m in missing)}` (or `pip install splitstage[tracking]`), "
+            "or use report_to = 'auto'"
+        )
+    return list(dict.fromkeys(report_to))
+
+
+def hyperparameters(config: SplitstageConfig) -> dict[str, Any]:
+    """Flat scalar settings a tracker shows next to the run."""
+    train, trainable = config.train, config.trainable
+    values = {
+        "family": config.pipeline.name,
+        "trained": ",".join(trainable.models()),
+        "lora_rank": trainable.lora_rank if trainable.lora_base_model else 0,
+        "learning_rate": train.learning_rate,
+        "batch_size": train.batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "mode": train.mode,
+        "parallelism": train.parallelism,
+        "seed": config.job.seed,
+    }
+    values.update({f"pipeline.{k}": v for k, v in config.pipeline.settings().items()})
+    return {k: v for k, v in values.items() if isinstance(v, int | float | str | bool)}
+
+
+class Tracking:
+    """The run's trackers (accelerate's), started on the main process."""
+
+    def __init__(self, accelerator, config: SplitstageConfig, log: Callable[[str], None]):
+        self.accelerator, self.log = accelerator, log
+        self.active = bool(accelerator.log_with)
+        if self.active:
+            project = config.tracking.project or config.job.name
+            self.guard(accelerator.init_trackers, project, config=hyperparameters(config))
+
+    def guard(self, call, *args, **kwargs) -> None:
+        """Run a tracker call; a failure is logged once and turns tracking off."""
+        try:
+            call(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a tracker must never stop training
+            self.active = False
+            self.log(f"tracking off: {type(error).__name__}: {str(error).splitlines()[0]}")
+
+    def scalars(self, update: int, values: dict[str, float]) -> None:
+        """Loss, learning rate, throughput of one update."""
+        if self.active:
+            self.guard(self.accelerator.log, values, step=update)
+
+    def grid(self, update: int, png: bytes) -> None:
+        """A validation grid as an image in every tracker that takes images."""
+        if not self.active:
+            return
+        image = Image.open(io.BytesIO(png)).convert("RGB")
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                array = np.asarray(image)[None]
+                self.guard(tracker.log_images, {"samples": array}, update, dataformats="NHWC")
+            elif hasattr(tracker, "log_images"):
+                self.guard(tracker.log_images, {"samples": [image]}, update)
+
+    def end(self) -> None:
+        """Flush and close the trackers."""
+        if self.active:
+            self.guard(self.accelerator.end_training)

@@ -1,0 +1,116 @@
+"""Validation sampling while training, on a tiny SD folder: prompts encoded in stage 1 beside the
+cache (not in its key), grids every N updates and at the end, the same images for a seed, in
+TensorBoard too, refused before launch when the prompts are not encoded, never failing a run."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from splitstage.pipelines.config import ConfigError, config_from_dict
+from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.tasks.plan import make_plan
+from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.preflight import preflight
+from splitstage.tasks.validation_prompts import prompts_path
+from splitstage.tiny_diffusers import write_tiny_folder
+
+pytestmark = pytest.mark.slow
+ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+PROMPTS = ["a handwritten digit seven", "a handwritten digit one"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("validation")
+    write_digits_dataset(root / "data", limit=8, size=32)
+    write_tiny_folder("sd", root / "sd")
+    return root
+
+
+def job(root: Path, name: str, validation=None, **train):
+    return config_from_dict(
+        {
+            "job": {"name": name, "seed": 2},
+            "pipeline": {"name": "sd", "pretrained": str(root / "sd"), "resolution": 64},
+            "trainable": {"lora_base_model": "unet", "lora_rank": 4},
+            "data": {"base_path": str(root / "data")},
+            "cache": {"url": str(root / "cache")},
+            "train": {"batch_size": 4, "max_steps": 2, "learning_rate": 1e-3} | train,
+            "output": {"url": str(root / "out")},
+            "validation": validation
+            if validation is not None
+            else {"prompts": PROMPTS, "steps": 3, "every": 1, "images_per_prompt": 2},
+            "tracking": {"report_to": ["tensorboard"]},
+        }
+    )
+
+
+def run(config, root: Path, env=None):
+    return train(config, run_root=root / "runs", env={**ENV, **(env or {})}, on_line=lambda _: None)
+
+
+def pixels(path: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(Path(path).read_bytes())).convert("RGB"))
+
+
+def test_prompts_are_encoded_beside_the_cache_and_grids_are_written(root):
+    plain = job(root, "no-validation", validation={})
+    config = job(root, "sampled")
+    assert make_plan(config).cache_key == make_plan(plain).cache_key  # not in the samples' key
+    first = preprocess(plain, workers=1, progress=False)
+    assert first.computed == 8 and first.validation_prompts is None
+    with pytest.raises(ConfigError, match=r"validation.prompts are not encoded.*preprocess"):
+        preflight(config, make_plan(config), paths={})  # refused before launch
+    again = preprocess(config, workers=1, progress=False)
+    assert (again.computed, again.reused) == (0, 8)  # only the prompts were encoded
+    assert Path(again.validation_prompts).is_file()
+
+    report = run(config, root)
+    assert sorted(report.samples) == ["1", "2"]  # every update, and the end
+    grid = pixels(report.samples["2"])
+    assert grid.shape[0] > 2 * 64 and grid.shape[1] == 2 * 64  # 2 prompts x 2 images
+    assert report.models_loaded == ["unet"]  # the decoder is loaded only while decoding
+
+    repeat = run(job(root, "sampled-again"), root)
+    assert np.array_equal(pixels(repeat.samples["2"]), grid)  # same seed, same images
+    other = run(job(root, "other-seed", validation={"prompts": PROMPTS, "seed": 9}), root)
+    assert not np.array_equal(
+        pixels(other.samples["2"]), grid[: pixels(other.samples["2"]).shape[0]]
+    )
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(report.run_dir) / "tracking" / "sampled")).Reload()
+    assert {"loss", "lr", "samples_per_s"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Images("samples")] == [1, 2]
+    assert [s.step for s in events.Scalars("loss")] == [1, 2]
+
+
+def test_changed_prompts_keep_the_cache_and_a_sampling_failure_never_fails_the_run(root):
+    config = job(root, "changed", validation={"prompts": ["a handwritten digit two"]})
+    preprocess(config, workers=1, progress=False)
+    fs, path, _ = prompts_path(config, make_plan(config))
+    assert Path(path).is_file()
+    report = run(config, root, env={"SPLITSTAGE_FAULT_VALIDATION": "1"})
+    assert report.updates == 2 and report.samples == {}
+    assert Path(report.outputs["unet"]).is_file()  # exported as usual
+    log = (Path(report.run_dir) / "metrics.jsonl").read_text().splitlines()
+    assert len(log) == 2 and all("loss" in json.loads(line) for line in log)
+
+
+def test_bad_validation_settings_are_one_line_errors(root):
+    with pytest.raises(ConfigError, match="negative_prompts has 1 entries for 2 prompts"):
+        job(root, "x", validation={"prompts": PROMPTS, "negative_prompts": ["blurry"]})
+    with pytest.raises(ConfigError, match="validation.steps"):
+        job(root, "x", validation={"prompts": PROMPTS, "steps": 0})
+    config = job(root, "wandb")
+    config.tracking.report_to = ["wandb"]  # not installed here
+    with pytest.raises(ConfigError, match=r"tracking.report_to: wandb is not installed; `pip"):
+        preflight(config, make_plan(config), paths={})
