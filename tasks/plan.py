@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family, family_for
 from splitstage.pipelines.images import DECODE_VERSION
 from splitstage.pipelines.runtime import RunnableUnit, select
-from splitstage.splitter import Pipeline, SplitPlan, plan_split
+from splitstage.splitter import Pipeline, SplitPlan, UnknownModelError, plan_split
 from splitstage.tasks.cache.fingerprint import cache_key, file_digest, stable_hash
 from splitstage.tasks.cache.store import CacheStore
 
@@ -69,7 +69,10 @@ def make_plan(config: SplitstageConfig) -> JobPlan:
     family = family_for(config)
     units = tuple(family.units())
     pipeline = family.pipeline_spec()
-    split = plan_split(pipeline, config.trainable.models())
+    try:
+        split = plan_split(pipeline, config.trainable.models())
+    except UnknownModelError as error:
+        raise ConfigError(f"trainable: {error}; set trainable.full / lora_base_model") from None
     family.check_models(list(config.models))
     return JobPlan(config=config, family=family, pipeline=pipeline, units=units, split=split)
 

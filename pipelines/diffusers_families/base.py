@@ -129,7 +129,13 @@ class DiffusersFamily(Family):
         """Prompt encoding, VAE encoding, per-step latent sampling and caption dropout."""
         mean_only = self.config.pipeline.vae_latents == "mean"
         latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
-        scaling = float(self.vae_config.get("scaling_factor") or 1.0)
+        if not self.vae_config.get("scaling_factor"):
+            raise ConfigError(
+                f"pipeline.pretrained: {self.folder.root}/vae/config.json has no scaling_factor; "
+                "add the one the model was trained with (SD 0.18215, SDXL 0.13025, SD3 1.5305, "
+                "FLUX 0.3611), else latents would be silently mis-scaled"
+            )
+        scaling = float(self.vae_config["scaling_factor"])
         shift = float(self.vae_config.get("shift_factor") or 0.0)
         empty = tuple(f"empty_{p}" for p in self.text_params)
         return [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from peft import LoraConfig, inject_adapter_in_model
@@ -68,7 +69,8 @@ def check_lora_targets(model: nn.Module, base: str, targets: list[str], rank: in
     matched = {t: [m for name, m in modules if _target_matches(t, name)] for t in targets}
     unknown = [t for t, found in matched.items() if not found]
     if unknown:
-        known = sorted({name.rsplit(".", 1)[-1] for name, m in modules if _width(m)})[:12]
+        leaves = Counter(name.rsplit(".", 1)[-1] for name, m in modules if _width(m))
+        known = [leaf for leaf, _ in leaves.most_common(12)]  # the most repeated: to_q, ...
         raise ConfigError(
             f"trainable.lora_target_modules: {', '.join(unknown)} name no module of '{base}'; "
             f"its adaptable modules include {', '.join(known)} (a target is a module name or "

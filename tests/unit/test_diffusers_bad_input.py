@@ -243,6 +243,10 @@ FOLDER_CASES = {
         lambda f: rewrite_json(f / "scheduler" / "scheduler_config.json", prediction_type="sample"),
         ["prediction_type", "'sample'", "pipeline.prediction_type = 'epsilon' or 'v_prediction'"],
     ),
+    "a VAE config without scaling_factor": (
+        lambda f: rewrite_json(f / "vae" / "config.json", scaling_factor=None),
+        ["vae/config.json has no scaling_factor", "silently mis-scaled"],
+    ),
     "a text encoder shard lost": (
         lambda f: shard_text_encoder(f, lose=True),
         ["pipeline.pretrained (text_encoder/)", "lists shard", "download every shard"],
@@ -446,7 +450,7 @@ def test_overriding_only_a_frozen_component_is_accepted(assets):
 TRAINABLE_CASES = {  # name -> ([trainable], needles)
     "LoRA on a model the family lacks": (
         {"lora_base_model": "transformer"},
-        ["'transformer'", "text_encoder, unet, vae"],
+        ["trainable:", "'transformer'", "text_encoder, unet, vae"],
     ),
     "full training of a model the family lacks": (
         {"full": ["transformer"]},
@@ -454,7 +458,7 @@ TRAINABLE_CASES = {  # name -> ([trainable], needles)
     ),
     "LoRA targets naming nothing": (
         {"lora_base_model": "unet", "lora_target_modules": ["to_qq"]},
-        ["trainable.lora_target_modules", "to_qq", "adaptable modules include"],
+        ["trainable.lora_target_modules", "to_qq", "adaptable modules include", "to_q"],
     ),
     "LoRA rank above a layer's width": (
         {"lora_base_model": "unet", "lora_rank": 100},
