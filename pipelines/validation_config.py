@@ -32,7 +32,7 @@ class ValidationConfig(Group):
         if negatives is not None and len(negatives) != len(self.prompts):
             raise ValueError(
                 f"negative_prompts has {len(negatives)} entries for {len(self.prompts)} prompts; "
-                "give one per prompt (\"\" for none) or leave it out"
+                'give one per prompt ("" for none) or leave it out'
             )
         if any(not p.strip() for p in self.prompts):
             raise ValueError("prompts: an empty prompt samples nothing useful; remove it")
