@@ -30,6 +30,7 @@ from splitstage.flows.tasks import (
     plan_job,
     preprocess_shard_task,
     snapshot_cache,
+    validation_prompts_task,
 )
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.tasks.data_index import DataIndex
@@ -147,7 +148,9 @@ def preprocess_flow(
         run_deployment_shards(config, num_shards, deployment)
     elif new:
         reports = run_local_shards(config, plan, data, num_shards, new)
+    prompts = validation_prompts_task(config, plan)  # shard 0 did it, unless no shard ran
     report = finish_preprocess(config, plan, data, reports, before, num_shards, started)
+    report.validation_prompts = prompts
     publish_cache_stats(config, report)
     logger.info(report.line())
     return report.to_dict()

@@ -75,6 +75,7 @@ def summarize(
         "version": trained.get("version"),
         "output_url": trained["output_url"],
         "weights": trained.get("outputs", {}),
+        "sample_grids": trained.get("samples", {}),  # update -> validation grid URL
         "latest": trained.get("latest"),
         "report_url": trained.get("report_url"),
         "warm_start_from": trained.get("warm_start_from"),

@@ -32,6 +32,7 @@ from splitstage.tasks.stage1.preprocess import (
     summarize_preprocess,
 )
 from splitstage.tasks.stage2.launch import TrainReport, train
+from splitstage.tasks.validation_prompts import write_validation_prompts
 
 IO_RETRIES = 2
 IO_RETRY_DELAYS = [2.0, 10.0]
@@ -109,6 +110,12 @@ def preprocess_shard_task(
     return preprocess_shard(
         config, shard, num_shards, plan=plan, data=data, progress=False, on_progress=on_progress
     )
+
+
+@_io_task("encode-validation-prompts", timeout_seconds=1800)
+def validation_prompts_task(config: SplitstageConfig, plan: JobPlan) -> str | None:
+    """Encode the [validation] prompts beside the cache unless shard 0 already did."""
+    return write_validation_prompts(config, plan)
 
 
 @_io_task("finish-preprocess", timeout_seconds=1800)

@@ -215,7 +215,7 @@ def cmd_data_digits(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_weights(args: argparse.Namespace) -> int:
-    """Write the demo's VAE and DiT weights (seeded inits standing in for pretrained files)."""
+    """Write the demo's weights: the autoencoder trained on the digits, and the DiT's init."""
     from splitstage.demo import write_demo_weights
 
     paths = write_demo_weights(args.out_dir, seed=args.seed)
@@ -328,7 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     digits.add_argument("--size", type=count(8), default=64, help="image side in pixels")
     digits.set_defaults(run=cmd_data_digits)
 
-    weights = sub.add_parser("demo-weights", help="write the demo's VAE and DiT weight files")
+    weights = sub.add_parser(
+        "demo-weights",
+        help="train the demo's autoencoder on the digits (seconds) and write it and the DiT's init",
+    )
     weights.add_argument("out_dir", metavar="OUT_DIR")
     weights.add_argument("--seed", type=int, default=0)
     weights.set_defaults(run=cmd_demo_weights)

@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def write_demo_weights(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """The demo's VAE and DiT weights files (seeded inits standing in for pretrained files)."""
+    """The demo's weights: its autoencoder (encoder + decoder, trained on the digits in seconds,
+    deterministically) and the DiT (a seeded init standing in for a pretrained file)."""
     from splitstage.pipelines.demo.weights import build_demo_weights
 
     return build_demo_weights(out_dir, seed=seed)
@@ -68,6 +69,12 @@ def prepare_inputs(config) -> None:
     missing = [
         m.weights for m in config.models.values() if m.weights and not Path(m.weights).exists()
     ]
+    vae = config.models.get("vae")
+    decoder = (
+        Path(vae.weights).with_name("vae_decoder.safetensors") if vae and vae.weights else None
+    )
+    if decoder is not None and not decoder.exists():  # weights from before the autoencoder
+        missing.append(str(decoder))
     if missing:
         folder = Path(missing[0]).parent
         print(f"writing demo weights to {folder} ...", flush=True)
@@ -91,6 +98,10 @@ def print_summary(summary: dict, wall: float) -> None:
     print(f"cache:   {summary['cache_url']}")
     for name, url in summary["weights"].items():
         print(f"weights: {url}  ({name})")
+    grids = summary.get("sample_grids") or {}
+    if grids:
+        last = max(grids, key=int)
+        print(f"samples: {grids[last]}  (update {last}; {len(grids)} grids in that folder)")
     print(f"latest:  {summary['latest']}")
 
 

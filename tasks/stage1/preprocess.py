@@ -64,6 +64,7 @@ class ShardReport:
     bytes_verified: int = 0
     quarantined: list[str] = field(default_factory=list)
     undecodable: list[str] = field(default_factory=list)  # keys skipped at decode (skip_bad_rows)
+    validation_prompts: str | None = None  # shard 0 encodes the [validation] prompts: their URL
 
 
 @dataclass
@@ -195,6 +196,7 @@ def summarize_shards(
         repaired=sum(r.repaired for r in reports),
         bytes_verified=sum(r.bytes_verified for r in reports),
         quarantined=quarantined,
+        validation_prompts=next((r.validation_prompts for r in reports if r.shard == 0), None),
     )
 
 
@@ -267,6 +269,8 @@ def preprocess_shard(
     report.reused = len(mine) - len(todo)
     if todo:
         _compute(config, plan, store, todo, report, progress, on_progress)
+    if shard == 0:  # once per run, on a worker (where the encoders belong): not sharded
+        report.validation_prompts = write_validation_prompts(config, plan)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -372,8 +376,6 @@ def preprocess(
         result = summarize_preprocess(config, plan, data, reports, before, workers)
     else:  # one shard of many: the coordinator of the whole run writes the manifest
         result = summarize_shards(plan, store, data, reports, workers)
-    if shard is None or shard[0] == 0:  # once per run: the prompts are not sharded
-        result.validation_prompts = write_validation_prompts(config, plan)
     result.seconds = time.perf_counter() - started
     result.checksums = "all" if verify else "changed"
     return result

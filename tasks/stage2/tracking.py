@@ -96,6 +96,8 @@ class Tracking:
                 self.guard(tracker.log_images, {"samples": [image]}, update)
 
     def end(self) -> None:
-        """Flush and close the trackers."""
+        """Flush and close the trackers (not accelerate's end_training: that would also tear
+        down the process group the export still needs)."""
         if self.active:
-            self.guard(self.accelerator.end_training)
+            for tracker in self.accelerator.trackers:
+                self.guard(tracker.finish)

@@ -343,8 +343,8 @@ class Trainer:
                 if update >= self.total_updates or epoch_done:
                     break
         elapsed = time.perf_counter() - started
-        self.tracking.end()
         outputs = self.export()
+        self.tracking.end()
         result = {
             "updates": update,
             "losses": self.losses,

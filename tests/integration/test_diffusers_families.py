@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -44,6 +47,7 @@ PIPELINE = {
 }
 KOHYA_LOADS = {"sd", "sdxl", "flux"}  # diffusers 0.42 has no converter for SD3 kohya files
 ONE_CPU = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+SAMPLED = {"validation": {"prompts": ["a handwritten digit seven"], "steps": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def job(root: Path, kind: str, name: str, *, models=None, trainable=None, **train):
+def job(root: Path, kind: str, name: str, *, models=None, trainable=None, validation=None, **train):
     """A LoRA job (rank 4, alpha 8: the scale is not 1) on `kind`'s folder at 64 px."""
     family = FAMILY[kind]
     pipeline = {"name": family, "pretrained": str(root / kind), "resolution": 64}
@@ -75,6 +79,7 @@ def job(root: Path, kind: str, name: str, *, models=None, trainable=None, **trai
             "train": {"batch_size": 4, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3}
             | train,
             "output": {"url": str(root / "out")},
+            "validation": validation or {},
         }
     )
 
@@ -220,8 +225,16 @@ def torchrun(nproc: int, config_path: Path, out: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     command += ["--standalone", str(worker), str(config_path), str(out)]
     env = {**os.environ, **ENV}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a hung rank dies with its launcher (the whole group)
+    ) as proc:  # fmt: skip
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0, stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -229,16 +242,24 @@ def one_process(root, tmp_path_factory):
     """Per family, the worker's losses and adapters in one process (computed once)."""
     results = {}
 
+    folders = {}
+
     def get(kind: str):
         if kind not in results:
-            out = tmp_path_factory.mktemp(f"{kind}-one")
+            out = folders[kind] = tmp_path_factory.mktemp(f"{kind}-one")
             path = out / "config.json"
-            path.write_text(job(root, kind, f"{kind}-one").model_dump_json())
+            path.write_text(job(root, kind, f"{kind}-one", **SAMPLED).model_dump_json())
             torchrun(1, path, out)
             results[kind] = worker_result(out)
         return results[kind]
 
+    get.folder = folders.__getitem__
     return get
+
+
+def grid_pixels(out: Path) -> np.ndarray:
+    """The worker's validation grid as an RGB array."""
+    return np.asarray(Image.open(out / "samples" / "update-000003.png").convert("RGB"))
 
 
 def worker_result(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -254,10 +275,14 @@ def test_two_ranks_equal_one_process(root, tmp_path, one_process, kind, parallel
     if parallelism == "tp":
         train["tp_degree"] = 2
     path = tmp_path / "config.json"
-    path.write_text(job(root, kind, f"{kind}-{parallelism}", **train).model_dump_json())
+    path.write_text(job(root, kind, f"{kind}-{parallelism}", **train, **SAMPLED).model_dump_json())
     torchrun(2, path, tmp_path)
     losses, adapters = worker_result(tmp_path)
     want_losses, want = one_process(kind)
+    # Validation sampling on 2 ranks draws the 1-process images (to 1/255: float noise).
+    grids = [grid_pixels(folder) for folder in (tmp_path, one_process.folder(kind))]
+    assert grids[0].shape == grids[1].shape
+    assert np.abs(grids[0].astype(int) - grids[1].astype(int)).max() <= 1
     assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     assert set(adapters) == set(want) and len(want) > 0
     for key in want:

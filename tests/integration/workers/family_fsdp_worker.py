@@ -3,7 +3,8 @@
 Run: torchrun --nproc-per-node=N tests/integration/workers/family_fsdp_worker.py CONFIG.json OUT
 Every rank sees the same batch and the same draws, so N FSDP ranks must give the one-process
 losses and adapter weights: sharding, loading the slices and the gradient reduction are exact.
-Writes OUT/result-rank{r}.json (losses) and OUT/lora-rank{r}.safetensors (gathered adapters).
+Writes OUT/result-rank{r}.json (losses), OUT/lora-rank{r}.safetensors (gathered adapters) and,
+with [validation] prompts, rank 0's sample grid OUT/samples/update-000003.png.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.plan import make_plan
 from splitstage.tasks.stage2.distributed import init_distributed
 from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tasks.stage2.validation import Validator
+from splitstage.tasks.validation_prompts import encode
 
 STEPS = 3
 
@@ -54,6 +57,14 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    if config.validation.enabled:  # sample with the trained model: the same grid on any layout
+        validator = Validator(
+            config, plan, stage2.models, info.device, str(out), is_main=info.is_main, log=print
+        )
+        validator.cached = encode(
+            plan, frozen, info.device, config.validation.prompts, config.validation.negatives()
+        )
+        validator.sample_and_write(STEPS)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     state = get_model_state_dict(stage2.models[family.denoiser], options=options)
     rank = info.rank
