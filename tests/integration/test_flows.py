@@ -316,3 +316,18 @@ def wait_for_training_processes(timeout: float):
                 return runs[0].id
         time.sleep(0.5)
     raise AssertionError("no training worker process started")
+
+
+def test_validation_grids_are_published_as_image_artifacts(prefect_harness, tiny_job):
+    from splitstage.flows.split_training import split_training
+
+    job = "digits-samples"
+    prompts = ["a handwritten digit seven", "a handwritten digit one"]
+    config = tiny_job(job, samples=8, validation={"prompts": prompts, "steps": 2, "every": 1})
+    summary = split_training(config)
+    grids = summary["sample_grids"]
+    assert sorted(grids) == ["1", "2"] and all(Path(url).is_file() for url in grids.values())
+    published = artifacts_by_key(job)[f"{job}-samples"]  # one history per job, one per grid
+    assert len(published) == 2
+    assert all("](data:image/png;base64," in a.data for a in published)
+    assert "update 2" in published[-1].description and prompts[0] in published[-1].data
