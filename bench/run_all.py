@@ -53,6 +53,10 @@ def main(argv=None) -> int:
     table.append(
         (f"end to end split / unsplit wall, {3 if q else 10} epochs", e2e["ratio"], "<= 0.45")
     )
+    quality = run("bench_demo_quality", ["--quick"] if q else [])
+    table.append(("demo samples labelled as prompted, split", quality["split_acc"], ">= 0.8"))
+    table.append(("demo samples split - unsplit, |d| / SE", quality["diff_over_se"], "<= 2"))
+    table.append(("demo time to 80% labelled: split / unsplit", quality["ratio_80"], "< 1"))
     try:
         orchestration = run("bench_orchestration", ["--limit", "300" if q else "600"])
         table.append(
