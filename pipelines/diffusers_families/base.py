@@ -88,7 +88,7 @@ class DiffusersFamily(Family):
 
     pipeline_classes: ClassVar[tuple[str, ...]]  # model_index.json _class_name values it trains
     text_params: ClassVar[tuple[str, ...]]  # the prompt encoder unit's outputs (all dropped)
-    text_models: ClassVar[tuple[str, ...]]  # the encoders it calls
+    text_models: ClassVar[tuple[str, ...]]  # the encoders its prompt unit calls
     denoiser_params: ClassVar[tuple[str, ...]]  # model_fn's params besides latents/timestep
 
     # -- the folder ------------------------------------------------------------------------------
@@ -121,9 +121,23 @@ class DiffusersFamily(Family):
         return self.tokenizers[encoder]
 
     # -- units -----------------------------------------------------------------------------------
+    def prompt_encoders(self) -> tuple[str, ...]:
+        """The encoders the prompt unit calls (SD3 without T5 calls fewer)."""
+        return self.text_models
+
     def text_unit(self) -> RunnableUnit:
-        """The family's prompt encoder unit (outputs `text_params` and their empty_ copies)."""
-        raise NotImplementedError
+        """`PromptEncoder`: `text_params` of each prompt and of the empty prompt (`empty_*`, for
+        caption dropout), from the family's `encode_prompts`."""
+        empty = tuple(f"empty_{p}" for p in self.text_params)
+        return RunnableUnit(
+            Unit(
+                "PromptEncoder",
+                input_params_posi={"prompt": "prompt"},
+                output_params=(*self.text_params, *empty),
+                onload_model_names=self.prompt_encoders(),
+            ),
+            self.encode_prompts,
+        )
 
     def units(self) -> list[RunnableUnit]:
         """Prompt encoding, VAE encoding, per-step latent sampling and caption dropout."""

@@ -20,8 +20,7 @@ from splitstage.pipelines.diffusers_families.text import (
     with_empty,
 )
 from splitstage.pipelines.family import TrainingStep
-from splitstage.pipelines.runtime import RunnableUnit, StepContext
-from splitstage.splitter import Unit
+from splitstage.pipelines.runtime import StepContext
 
 
 class FluxFamily(FlowTransformerFamily):
@@ -32,24 +31,8 @@ class FluxFamily(FlowTransformerFamily):
     model_names = ("text_encoder", "text_encoder_2", "vae", "transformer")
     pipeline_classes = ("FluxPipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
+    text_models = ("text_encoder", "text_encoder_2")
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds")
-
-    def text_unit(self) -> RunnableUnit:
-        """CLIP's pooled output and T5's hidden states, as FluxPipeline.encode_prompt."""
-        return RunnableUnit(
-            Unit(
-                "PromptEncoder",
-                input_params_posi={"prompt": "prompt"},
-                output_params=(
-                    "prompt_embeds",
-                    "pooled_prompt_embeds",
-                    "empty_prompt_embeds",
-                    "empty_pooled_prompt_embeds",
-                ),
-                onload_model_names=("text_encoder", "text_encoder_2"),
-            ),
-            self.encode_prompts,
-        )
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """T5 states [B, L, D] and CLIP pooled [B, P] of the prompts and of ''."""

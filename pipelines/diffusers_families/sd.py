@@ -18,8 +18,7 @@ from splitstage.pipelines.diffusers_families.text import (
     with_empty,
 )
 from splitstage.pipelines.family import TrainingStep
-from splitstage.pipelines.runtime import RunnableUnit, StepContext
-from splitstage.splitter import Unit
+from splitstage.pipelines.runtime import StepContext
 
 UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora
 
@@ -70,19 +69,8 @@ class SDFamily(UNetFamily):
     model_names = ("text_encoder", "vae", "unet")
     pipeline_classes = ("StableDiffusionPipeline",)
     text_params = ("prompt_embeds",)
+    text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds",)
-
-    def text_unit(self) -> RunnableUnit:
-        """CLIP's last hidden states of the prompt and of the empty prompt."""
-        return RunnableUnit(
-            Unit(
-                "PromptEncoder",
-                input_params_posi={"prompt": "prompt"},
-                output_params=("prompt_embeds", "empty_prompt_embeds"),
-                onload_model_names=("text_encoder",),
-            ),
-            self.encode_prompts,
-        )
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """Embeddings [B, L, D] of each prompt and of the empty prompt."""

@@ -20,8 +20,7 @@ from splitstage.pipelines.diffusers_families.text import (
     with_empty,
 )
 from splitstage.pipelines.family import TrainingStep
-from splitstage.pipelines.runtime import RunnableUnit, StepContext
-from splitstage.splitter import Unit
+from splitstage.pipelines.runtime import StepContext
 
 CLIPS = ("text_encoder", "text_encoder_2")
 
@@ -34,28 +33,12 @@ class SD3Family(FlowTransformerFamily):
     model_names = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer")
     pipeline_classes = ("StableDiffusion3Pipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
+    text_models = (*CLIPS, "text_encoder_3")
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds")
 
-    def encoders(self) -> tuple[str, ...]:
-        """The text encoders the prompt unit calls (T5 only when pipeline.use_t5)."""
-        return (*CLIPS, "text_encoder_3") if self.config.pipeline.use_t5 else CLIPS
-
-    def text_unit(self) -> RunnableUnit:
-        """[CLIP-L ; CLIP-G] padded to T5's width, then T5's tokens; pooled = both CLIPs'."""
-        return RunnableUnit(
-            Unit(
-                "PromptEncoder",
-                input_params_posi={"prompt": "prompt"},
-                output_params=(
-                    "prompt_embeds",
-                    "pooled_prompt_embeds",
-                    "empty_prompt_embeds",
-                    "empty_pooled_prompt_embeds",
-                ),
-                onload_model_names=self.encoders(),
-            ),
-            self.encode_prompts,
-        )
+    def prompt_encoders(self) -> tuple[str, ...]:
+        """CLIP-L, CLIP-G, and T5 only when pipeline.use_t5."""
+        return self.text_models if self.config.pipeline.use_t5 else CLIPS
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """What StableDiffusion3Pipeline.encode_prompt computes, for the prompts and ''."""

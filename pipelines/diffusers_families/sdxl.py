@@ -42,24 +42,8 @@ class SDXLFamily(UNetFamily):
     model_names = ("text_encoder", "text_encoder_2", "vae", "unet")
     pipeline_classes = ("StableDiffusionXLPipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
+    text_models = ENCODERS
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds", "add_time_ids")
-
-    def text_unit(self) -> RunnableUnit:
-        """Both CLIPs' penultimate states (concatenated) and the second's pooled embedding."""
-        return RunnableUnit(
-            Unit(
-                "PromptEncoder",
-                input_params_posi={"prompt": "prompt"},
-                output_params=(
-                    "prompt_embeds",
-                    "pooled_prompt_embeds",
-                    "empty_prompt_embeds",
-                    "empty_pooled_prompt_embeds",
-                ),
-                onload_model_names=ENCODERS,
-            ),
-            self.encode_prompts,
-        )
 
     def units(self) -> list[RunnableUnit]:
         """The shared units plus the size conditioning (V2: computed from the data once)."""
