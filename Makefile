@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: venv test test-fast lint format demo bench stack-up stack-down clean
+.PHONY: venv diffsynth-env test test-fast lint format demo bench stack-up stack-down clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -17,10 +17,20 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# The diffsynth family's tests run in a side venv over .venv (README "DiffSynth-Studio pipelines").
+SIDE := $(VENV)/diffsynth
+SIDE_STAMP := $(SIDE)/.installed
+$(SIDE_STAMP): $(STAMP) infra/diffsynth-env/make-env.sh infra/diffsynth-env/sitecustomize.py
+	infra/diffsynth-env/make-env.sh $(SIDE) $(VENV)
+	touch $(SIDE_STAMP)
+
+diffsynth-env: $(SIDE_STAMP)
+
+test: $(STAMP) $(SIDE_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+	SPLITSTAGE_DIFFSYNTH_TESTS=1 $(SIDE)/bin/python -m pytest -q -p no:cacheprovider tests/diffsynth
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -7,7 +7,8 @@ Run: .venv/bin/python bench/bench_cache.py [--samples-per-shard 32] [--shards 24
     Goal: ratio <= 0.5.
 (b) write throughput to a moto S3 server on loopback: `CacheStore.write_shards` (serialise, hash,
     put shards, then put index entries) vs a raw batched s3fs `pipe` of the same shard bytes.
-    Goal: ratio >= 0.8. One-shard-per-call `write_shard` is shown for information.
+    Goal: ratio >= 0.9 (also shown against a raw pipe of every object write_shards puts: the
+    shards AND their index entries). One-shard-per-call `write_shard` is shown for information.
 `--check` exits 1 when a goal is missed.
 """
 
@@ -30,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from splitstage.tasks.cache.shard_format import prepare_shard  # noqa: E402
 from splitstage.tasks.cache.storage import write_chains  # noqa: E402
 from splitstage.tasks.cache.store import CacheStore, encode_shard  # noqa: E402
 
@@ -129,6 +131,11 @@ def write_throughput(
     encode + sha256 alone (no I/O: the CPU that CacheStore adds)."""
     payload = {f"bench/raw/{i}.safetensors": encode_shard(s)[0] for i, s in enumerate(shards)}
     megabytes = sum(len(b) for b in payload.values()) / 1e6
+    every_object = {}  # the very objects write_shards puts: shard files and index entries
+    for shard in shards:
+        info, data, index = prepare_shard(shard)
+        every_object[f"bench/all/{info.path}"] = data
+        every_object[f"bench/all/index/{info.shard_id}.json"] = index
     store = CacheStore("s3://bench/cache", "ck", options)
     chains = [
         [
@@ -149,6 +156,7 @@ def write_throughput(
     runs = {
         "batched": lambda: store.write_shards(shards),
         "raw": lambda: store.fs.pipe(payload),
+        "raw_all": lambda: store.fs.pipe(every_object),
         "per_call": per_call,
         "commit": lambda: write_chains(store.fs, chains),
         "encode": encode_only,
@@ -196,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         server.terminate()
         server.wait(timeout=30)
     speed_ratio = mbps["batched"] / mbps["raw"]
+    same_objects_ratio = mbps["batched"] / mbps["raw_all"]
 
     shard_mb = len(encode_shard(shards[0])[0]) / 1e6
     print(
@@ -215,13 +224,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     raw = f"{mbps['raw']:.1f} MB/s"
     rows = [
-        ("S3 write: write_shards vs raw pipe", "batched", ">= 0.8", speed_ratio >= 0.8),
+        ("S3 write: write_shards vs raw pipe", "batched", ">= 0.9", speed_ratio >= 0.9),
+        ("  raw pipe of shards + index entries", "raw_all", "", None),
         ("S3 write: write_shard per shard", "per_call", "", None),
         ("S3 write: pre-encoded shard+index", "commit", "", None),
         ("encode+sha256 only (no I/O)", "encode", "", None),
     ]
     for name, key, goal, ok in rows:
         print(_row(name, f"{mbps[key]:.1f} MB/s", raw, mbps[key] / mbps["raw"], goal, ok))
+    raw_all = f"{mbps['raw_all']:.1f} MB/s"
+    print(
+        _row(
+            "write_shards vs raw pipe, same objects",
+            f"{mbps['batched']:.1f} MB/s",
+            raw_all,
+            same_objects_ratio,
+            ">= 0.9",
+            same_objects_ratio >= 0.9,
+        )
+    )
     FIGURES.update(
         bytes_ratio=size_ratio,
         s3_write_ratio=speed_ratio,
@@ -229,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         torch_save_bytes=base_b,
         write_mbps=mbps["batched"],
         raw_mbps=mbps["raw"],
+        s3_write_ratio_same_objects=same_objects_ratio,
     )
-    missed = size_ratio > 0.5 or speed_ratio < 0.8
+    missed = size_ratio > 0.5 or speed_ratio < 0.9
     return 1 if (args.check and missed) else 0
 
 

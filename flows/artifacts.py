@@ -26,6 +26,7 @@ from prefect.context import FlowRunContext
 from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.splitter.report import plan_rows
+from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.outputs import open_output
 from splitstage.tasks.plan import JobPlan
 from splitstage.tasks.stage1.preprocess import PreprocessReport
@@ -104,9 +105,13 @@ def offload_markdown(plan: JobPlan) -> str:
     return "\n".join(parts)
 
 
-def cache_rows(report: PreprocessReport) -> list[dict[str, Any]]:
-    """Cache statistics as metric/value rows: samples new/reused/skipped, bytes, throughput."""
+def cache_rows(
+    report: PreprocessReport, groups: Mapping[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """Cache statistics as metric/value rows: samples new/reused/skipped, bytes, throughput,
+    and the samples of each group (aspect bucket: samples sharing param dtypes and shapes)."""
     seconds = max(report.seconds, 1e-9)
+    buckets = [{"metric": f"bucket {label}", "value": n} for label, n in (groups or {}).items()]
     return [
         {"metric": "samples in data set", "value": report.samples},
         {"metric": "new (computed now)", "value": report.computed},
@@ -120,14 +125,29 @@ def cache_rows(report: PreprocessReport) -> list[dict[str, Any]]:
         {"metric": "computed samples/s", "value": round(report.computed / seconds, 2)},
         {"metric": "write MB/s", "value": round(report.bytes_written / 1e6 / seconds, 3)},
         {"metric": "cache", "value": report.cache_url},
-    ]
+    ] + buckets
 
 
-def publish_cache_stats(config: SplitstageConfig, report: PreprocessReport) -> None:
-    """The cache statistics table of one preprocessing run."""
+def cache_groups(config: SplitstageConfig, report: PreprocessReport) -> dict[str, int]:
+    """Committed samples per group label, from the cache index ({} if it cannot be read: the
+    dashboard must not fail a run)."""
+    try:
+        store = CacheStore(config.cache.url, report.cache_key, config.cache.storage_options)
+        return store.stats().groups
+    except Exception as error:
+        get_run_logger().warning(f"could not count the cache's buckets: {error}")
+        return {}
+
+
+def publish_cache_stats(
+    config: SplitstageConfig, report: PreprocessReport, groups: Mapping[str, int] | None = None
+) -> None:
+    """The cache statistics table of one preprocessing run (`groups`: read from the cache
+    index when not given)."""
+    groups = cache_groups(config, report) if groups is None else groups
     _publish(
         create_table_artifact,
-        table=cache_rows(report),
+        table=cache_rows(report, groups),
         key=artifact_key(config, "cache-stats"),
         description=f"Stage-1 cache `{report.cache_key}`: {report.computed} new, "
         f"{report.reused} reused, {report.skipped} skipped.",

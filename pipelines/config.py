@@ -16,16 +16,18 @@ from pydantic import (
     model_validator,
 )
 
+from splitstage.pipelines.buckets import BucketConfig
 from splitstage.pipelines.config_base import ConfigError, Group
+from splitstage.pipelines.credentials import check_block_name
 from splitstage.pipelines.pipeline_config import (
     AnyPipelineConfig,
     _default_pipeline,
 )
+from splitstage.pipelines.storage_options import check_storage_options
 from splitstage.pipelines.urls import (
     local_path,
     normalize_url,
     scheme_of,
-    validate_endpoint_url,
     validate_rdzv_endpoint,
 )
 from splitstage.pipelines.validation_config import TrackingConfig, ValidationConfig
@@ -34,6 +36,16 @@ from splitstage.pipelines.validation_config import TrackingConfig, ValidationCon
 def storage_url(cls: type, value: str) -> str:
     """A config validator: the storage URL in normal form (see `pipelines.urls`)."""
     return normalize_url(value, None)
+
+
+def _storage_options(cls: type, value: dict[str, Any]) -> dict[str, Any]:
+    """A config validator: storage options without secrets (`check_storage_options`)."""
+    return check_storage_options(value)
+
+
+def _credentials_block(cls: type, value: str | None) -> str | None:
+    """A config validator: a Prefect block name, or None."""
+    return None if value is None else check_block_name(value)
 
 
 class JobConfig(Group):
@@ -123,25 +135,41 @@ class TrainableConfig(Group):
 
 
 class DataConfig(Group):
-    """A data set in DiffSynth-Studio's format: base folder plus metadata.csv or .jsonl."""
+    """A data set in DiffSynth-Studio's format: base folder or URL plus metadata (csv, jsonl,
+    parquet); credentials come from the environment or a Prefect block, as the cache's."""
 
-    base_path: str = Field("data/digits", description="Folder the image paths are relative to.")
-    metadata_path: str | None = Field(None, description="Defaults to base_path/metadata.csv.")
+    base_path: str = Field(
+        "data/digits", description="Folder or fsspec URL the image paths are relative to."
+    )
+    metadata_path: str | None = Field(
+        None, description="Path or URL; defaults to base_path/metadata.csv (.jsonl, .parquet)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options without secrets, e.g. {endpoint_url = 'http://...'}.",
+    )
+    credentials_block: str | None = Field(
+        None, description="Prefect block with the credentials, e.g. 'aws-credentials/my-creds'."
+    )
     skip_bad_rows: bool = Field(False, description="Skip and count bad rows instead of failing.")
     limit: int | None = Field(None, ge=1, description="Use only the first N rows.")
+    buckets: BucketConfig = Field(default_factory=BucketConfig, description="Aspect buckets.")
+
+    _options = field_validator("storage_options")(_storage_options)
+    _block = field_validator("credentials_block")(_credentials_block)
 
     @field_validator("base_path", "metadata_path")
     @classmethod
-    def _local_folder(cls, value: str | None) -> str | None:
+    def _data_url(cls, value: str | None) -> str | None:
         if value is None:
             return None
         value = normalize_url(value, None)
-        if scheme_of(value) != "file":
+        if scheme_of(value) == "memory":
             raise ValueError(
-                f"{value!r}: data sets are read from a local folder (or file://) so far; copy "
-                "the data set to a local or mounted folder"
+                f"{value!r}: a memory:// data set lives inside one process; use a folder or "
+                "object storage (s3://bucket/data)"
             )
-        return local_path(value)
+        return local_path(value) if scheme_of(value) == "file" else value
 
 
 class CacheConfig(Group):
@@ -153,23 +181,13 @@ class CacheConfig(Group):
         default_factory=dict,
         description="fsspec options without secrets, e.g. {endpoint_url = 'http://...'}.",
     )
+    credentials_block: str | None = Field(
+        None, description="Prefect block with the credentials, e.g. 'aws-credentials/my-creds'."
+    )
 
     _url = field_validator("url")(storage_url)
-
-    @field_validator("storage_options")
-    @classmethod
-    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
-        secret = {"key", "secret", "token", "password", "aws_secret_access_key", "session_token"}
-        found = sorted(k for k in value if k.lower() in secret)
-        if found:
-            raise ValueError(
-                f"holds credentials ({', '.join(found)}); put them in the environment "
-                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or a Prefect block, not the config"
-            )
-        endpoint = value.get("endpoint_url")
-        if endpoint is not None:
-            value = {**value, "endpoint_url": validate_endpoint_url(endpoint, "endpoint_url")}
-        return value
+    _options = field_validator("storage_options")(_storage_options)
+    _block = field_validator("credentials_block")(_credentials_block)
 
 
 class PreprocessConfig(Group):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitstage.pipelines.buckets import BucketError, Buckets
 from splitstage.pipelines.config import ConfigError, ModelConfig
 from splitstage.pipelines.registry import config_class, import_object
 from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
@@ -27,7 +28,7 @@ from splitstage.splitter import Pipeline
 
 if TYPE_CHECKING:
     from splitstage.pipelines.config import SplitstageConfig
-    from splitstage.pipelines.data import Row
+    from splitstage.pipelines.data import Row, SizeRule
 
 
 @dataclass
@@ -85,6 +86,33 @@ class Family:
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
         """What one data row becomes: the pipeline inputs of one sample (tensors and values)."""
         raise NotImplementedError
+
+    def image_resolution(self) -> tuple[int, int] | None:
+        """(square side, multiple every side must be) of the images, or None if the family takes
+        no images of a chosen size (then `[data.buckets]` is refused)."""
+        return None
+
+    @cached_property
+    def buckets(self) -> Buckets | None:
+        """The `[data.buckets]` sizes for this family's resolution, or None when off."""
+        config = self.config.data.buckets
+        if not config.enabled:
+            return None
+        resolution = self.image_resolution()
+        if resolution is None:
+            raise ConfigError(
+                f"data.buckets: the {self.name!r} family does not take images of a chosen size; "
+                "remove [data.buckets]"
+            )
+        try:
+            return Buckets(config, *resolution)
+        except BucketError as error:
+            raise ConfigError(str(error)) from None
+
+    def image_size(self) -> int | tuple[int, int] | SizeRule:
+        """The size load_sample crops images to: the square, or each image's bucket."""
+        buckets = self.buckets
+        return buckets.size_for if buckets else self.image_resolution()[0]
 
     # -- models ----------------------------------------------------------------------------------
     def model_source(self, name: str) -> ModelConfig:

@@ -89,9 +89,22 @@ class _AnyFamilySchema:
         options = []
         for name in family_names():
             schema = config_class(name).model_json_schema()
-            schema.pop("$defs", None)
-            options.append(schema)
+            options.append(_inline_refs(schema, schema.pop("$defs", {})))
         return {"oneOf": options, "title": "Pipeline", "description": PipelineConfig.__doc__}
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """A family's schema with its nested groups (`#/$defs/X`) written in place: the form embeds
+    each family's schema inside the job's, where its own `$defs` would not resolve."""
+    if isinstance(node, list):
+        return [_inline_refs(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref", "")
+    if ref.startswith("#/$defs/") and ref[8:] in defs:
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        return {**_inline_refs(defs[ref[8:]], defs), **rest}
+    return {key: _inline_refs(value, defs) for key, value in node.items()}
 
 
 DEFAULT_FAMILY = "demo"

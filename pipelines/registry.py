@@ -21,6 +21,7 @@ BUILTIN_FAMILIES = {
     "sdxl": "splitstage.pipelines.diffusers_families.config:SDXLPipelineConfig",
     "sd3": "splitstage.pipelines.diffusers_families.config:SD3PipelineConfig",
     "flux": "splitstage.pipelines.diffusers_families.config:FluxPipelineConfig",
+    "diffsynth": "splitstage.pipelines.diffsynth_family.config:DiffSynthPipelineConfig",
 }
 _registered: dict[str, Any] = {}
 

@@ -10,6 +10,7 @@ from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family, family_for
 from splitstage.pipelines.images import DECODE_VERSION
 from splitstage.pipelines.runtime import RunnableUnit, select
+from splitstage.pipelines.storage_options import with_credentials
 from splitstage.splitter import Pipeline, SplitPlan, UnknownModelError, plan_split
 from splitstage.tasks.cache.fingerprint import cache_key, file_digest, stable_hash
 from splitstage.tasks.cache.store import CacheStore
@@ -49,13 +50,15 @@ class JobPlan:
     @cached_property
     def cache_key(self) -> str:
         """Content-addressed name of this job's stage-1 cache."""
+        bucket_settings = self.config.data.buckets.stage1_settings()
+        buckets = {"buckets": bucket_settings} if bucket_settings else {}
         return cache_key(
             pipeline=self.pipeline.name,
             v2_units=[self.pipeline.unit(name).to_dict() for name in self.split.v2],
             boundary_params=list(self.split.boundary_params),
             model_fingerprints={m: self.model_fingerprint(m) for m in self.split.models["stage1"]},
             # How image files decode to pixels changes what stage 1 computes from the same bytes.
-            settings={**self.family.stage1_settings(), "image_decode": DECODE_VERSION},
+            settings={**self.family.stage1_settings(), "image_decode": DECODE_VERSION, **buckets},
             dtype=CACHE_DTYPE,
         )
 
@@ -74,9 +77,14 @@ def make_plan(config: SplitstageConfig) -> JobPlan:
     except UnknownModelError as error:
         raise ConfigError(f"trainable: {error}; set trainable.full / lora_base_model") from None
     family.check_models(list(config.models))
+    _ = family.buckets  # [data.buckets] must give buckets for the family: refused here if not
     return JobPlan(config=config, family=family, pipeline=pipeline, units=units, split=split)
 
 
 def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None) -> CacheStore:
     """The cache store this job reads and writes (`cache_key` when already known)."""
-    return CacheStore(config.cache.url, cache_key or plan.cache_key, config.cache.storage_options)
+    cache = config.cache  # a credentials_block's secrets join the options in memory only
+    options = with_credentials(
+        cache.url, cache.storage_options, cache.credentials_block, field="cache.credentials_block"
+    )
+    return CacheStore(cache.url, cache_key or plan.cache_key, options)

@@ -45,7 +45,9 @@ def prompts_key(config: SplitstageConfig, plan: JobPlan) -> str:
 
 def prompts_path(config: SplitstageConfig, plan: JobPlan) -> tuple[Any, str, str]:
     """(fs, path, URL) of this job's validation-prompt embeddings file."""
-    fs, root = open_fs(config.cache.url, config.cache.storage_options, field="cache.url")
+    cache = config.cache
+    block = cache.credentials_block
+    fs, root = open_fs(cache.url, cache.storage_options, field="cache.url", credentials_block=block)
     name = f"{prompts_key(config, plan)}.safetensors"
     return fs, join(root, FOLDER, name), f"{config.cache.url.rstrip('/')}/{FOLDER}/{name}"
 

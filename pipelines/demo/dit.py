@@ -11,15 +11,17 @@ from torch import nn
 
 
 def sincos_pos_embed_2d(
-    dim: int, grid: int, device: torch.device | str | None = None
+    dim: int, grid: int, device: torch.device | str | None = None, grid_w: int | None = None
 ) -> torch.Tensor:
-    """Fixed 2-D sin-cos position table [grid*grid, dim] (MAE/DiT style), row-major patches."""
+    """Fixed 2-D sin-cos position table [grid*grid_w, dim] (MAE/DiT style), row-major patches
+    (`grid_w` defaults to `grid`: a square)."""
     if dim % 4:
         raise ValueError(f"position embedding dim must be divisible by 4, got {dim}")
     quarter = dim // 4
     omega = 1.0 / 10000 ** (torch.arange(quarter, device=device, dtype=torch.float32) / quarter)
-    coords = torch.arange(grid, device=device, dtype=torch.float32)
-    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
+    rows = torch.arange(grid, device=device, dtype=torch.float32)
+    cols = torch.arange(grid if grid_w is None else grid_w, device=device, dtype=torch.float32)
+    yy, xx = torch.meshgrid(rows, cols, indexing="ij")
     out_y = yy.reshape(-1, 1) * omega  # [N, dim/4]
     out_x = xx.reshape(-1, 1) * omega
     return torch.cat([out_y.sin(), out_y.cos(), out_x.sin(), out_x.cos()], dim=1)
@@ -230,15 +232,19 @@ class DiT(nn.Module):
 
     def _embed(self, latents, timestep, prompt_emb, prompt_mask):
         """First-stage work: tokens [B,T+N,D], modulation [B,8,D], key mask [B,T+N] as 0/1."""
-        b = latents.shape[0]
-        expected = (self.latent_channels, self.sample_size, self.sample_size)
-        if latents.ndim != 4 or tuple(latents.shape[1:]) != expected:
-            raise ValueError(f"DiT wants latents [B,{expected}], got {tuple(latents.shape)}")
+        b, p = latents.shape[0], self.patch_size
+        if latents.ndim != 4 or latents.shape[1] != self.latent_channels or latents.shape[2] % p:
+            raise ValueError(
+                f"DiT wants latents [B,{self.latent_channels},H,W] with H, W multiples of {p}, "
+                f"got {tuple(latents.shape)}"
+            )
+        if latents.shape[3] % p:
+            raise ValueError(f"DiT latent width {latents.shape[3]} is not a multiple of {p}")
         if prompt_emb.ndim != 3 or prompt_emb.shape[0] != b:
             raise ValueError(f"DiT wants prompt_emb [B={b},T,D], got {tuple(prompt_emb.shape)}")
         dtype = self.patch_embed.weight.dtype
         img = self.patch_embed(latents.to(dtype)).flatten(2).transpose(1, 2)
-        img = img + self.pos_embed.to(dtype)
+        img = img + self._pos_embed(latents.shape[2] // p, latents.shape[3] // p).to(dtype)
         txt = self.text_proj(prompt_emb.to(dtype))
         timestep = torch.as_tensor(timestep, device=latents.device).reshape(-1).expand(b)
         cond = self.time_embed(timestep)
@@ -249,12 +255,22 @@ class DiT(nn.Module):
         keep = torch.cat([txt_keep, txt_keep.new_ones(img.shape[:2])], dim=1)
         return torch.cat([txt, img], dim=1), cond, keep
 
-    def _head(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Last-stage work: image tokens -> prediction [B,C,H,W]."""
-        n, p, g = self.grid**2, self.patch_size, self.grid
+    def _pos_embed(self, grid_h: int, grid_w: int) -> torch.Tensor:
+        """The position table of a grid_h x grid_w patch grid (the buffer for the square)."""
+        if grid_h == grid_w == self.grid:
+            return self.pos_embed
+        return sincos_pos_embed_2d(self.hidden, grid_h, self.pos_embed.device, grid_w)
+
+    def _head(self, h: torch.Tensor, cond: torch.Tensor, grid: tuple[int, int] | None = None):
+        """Last-stage work: image tokens -> prediction [B,C,H,W] (`grid`: patches down, across;
+        the square when None, as a PP stage without the input gets)."""
+        gh, gw = grid or (self.grid, self.grid)
+        n, p = gh * gw, self.patch_size
         out = self.proj_out(self.norm(h[:, -n:], cond))
-        out = out.reshape(h.shape[0], g, g, p, p, self.latent_channels)
-        return out.permute(0, 5, 1, 3, 2, 4).reshape(h.shape[0], self.latent_channels, g * p, g * p)
+        out = out.reshape(h.shape[0], gh, gw, p, p, self.latent_channels)
+        return out.permute(0, 5, 1, 3, 2, 4).reshape(
+            h.shape[0], self.latent_channels, gh * p, gw * p
+        )
 
     def forward(self, latents, timestep, prompt_emb, prompt_mask=None):
         """Predict velocity [B,C,H,W] from latents, timestep [B] in [0,1], prompt_emb [B,T,D].
@@ -263,15 +279,17 @@ class DiT(nn.Module):
         `prune_to_stage` runs only the modules it holds: without `patch_embed` its inputs are the
         previous stage's (hidden, cond, keep); without `proj_out` it returns (hidden, cond, keep).
         """
+        grid = None
         if self.patch_embed is not None:
             h, cond, keep = self._embed(latents, timestep, prompt_emb, prompt_mask)
+            grid = (latents.shape[2] // self.patch_size, latents.shape[3] // self.patch_size)
         else:
             h, cond, keep = latents, timestep, prompt_emb
         for block in self.blocks.values():
             h = block(h, cond, keep)
         if self.proj_out is None:
             return h, cond, keep
-        return self._head(h, cond)
+        return self._head(h, cond, grid)
 
 
 def prune_to_stage(model: DiT, keep_fqns: Sequence[str]) -> DiT:

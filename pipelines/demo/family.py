@@ -162,8 +162,12 @@ class DemoFamily(Family):
         )
 
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
-        """A square image (center crop + resize), its prompt and size."""
-        return load_sample(row, base_path, self.config.pipeline.image_size)
+        """The image cropped to its square (or aspect bucket), its prompt and size."""
+        return load_sample(row, base_path, self.image_size())
+
+    def image_resolution(self) -> tuple[int, int]:
+        """`image_size`; sides are multiples of 16 (VAE x8, patch x2)."""
+        return self.config.pipeline.image_size, 16
 
     # -- models ----------------------------------------------------------------------------------
     def model_source(self, name: str) -> ModelConfig:

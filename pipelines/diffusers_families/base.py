@@ -195,8 +195,12 @@ class DiffusersFamily(Family):
         )
 
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
-        """A square image (center crop + resize to `resolution`) and its prompt."""
-        return load_sample(row, base_path, self.config.pipeline.resolution)
+        """The image cropped to `resolution` square (or its aspect bucket) and its prompt."""
+        return load_sample(row, base_path, self.image_size())
+
+    def image_resolution(self) -> tuple[int, int]:
+        """`resolution`, and the multiple the VAE and the denoiser's patching need."""
+        return self.config.pipeline.resolution, self.config.pipeline.pixel_multiple
 
     # -- models ----------------------------------------------------------------------------------
     def check_models(self, names: Sequence[str]) -> None:

@@ -70,11 +70,13 @@ class SDXLFamily(UNetFamily):
         return split_empty(values, len(prompt))
 
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
-        """The square crop plus the original size and crop corner SDXL is conditioned on."""
-        sample = load_sample(row, base_path, self.config.pipeline.resolution, source_size=True)
-        size = self.config.pipeline.resolution
+        """The crop (square or bucket) plus the original size and crop corner SDXL is
+        conditioned on."""
+        sample = load_sample(row, base_path, self.image_size(), source_size=True)
         original = sample.pop("source_size")
-        _, _, left, top = center_crop_box(original[1], original[0], size, size)
+        _, _, left, top = center_crop_box(
+            original[1], original[0], sample["height"], sample["width"]
+        )
         sample.update(original_size=list(original), crop_top_left=[top, left])
         return sample
 

@@ -16,8 +16,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
+from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.store import CacheStore, SampleNotCachedError
 
 _DONE = object()
@@ -42,8 +44,31 @@ def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
+def epoch_positions(
+    count: int, epoch: int, seed: int, rank: int, world_size: int, offset: int = 0
+) -> np.ndarray:
+    """`epoch_order` as positions into the `count` sorted keys (the shuffle depends only on
+    the count, so this is the order without the keys themselves)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+    if count < world_size:
+        raise ValueError(
+            f"{count} samples cannot be split over {world_size} ranks; use fewer ranks"
+        )
+    order = list(range(count))
+    random.Random(f"splitstage-epoch:{seed}:{epoch}").shuffle(order)
+    left = np.asarray(order[offset:], dtype=np.int64)
+    usable = len(left) - len(left) % world_size
+    return left[:usable][rank::world_size]
+
+
 def epoch_order(
-    keys: Iterable[str], epoch: int, seed: int, rank: int, world_size: int, offset: int = 0
+    keys: Iterable[str] | KeyTable,
+    epoch: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    offset: int = 0,
 ) -> list[str]:
     """Rank `rank`'s keys for `epoch`: shuffle the sorted, de-duplicated keys with (seed, epoch),
     skip the first `offset` (consumed before a resume), drop the tail that does not divide by
@@ -52,17 +77,11 @@ def epoch_order(
     The ranks' first n keys together are exactly the next n * world_size keys of the epoch's
     order, so a resume with another world size or batch size continues exactly: every sample of
     the epoch is seen once (`offset` = samples consumed so far in the epoch, over all ranks)."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
-    order = sorted(set(keys))
-    if len(order) < world_size:
-        raise ValueError(
-            f"{len(order)} samples cannot be split over {world_size} ranks; use fewer ranks"
-        )
-    random.Random(f"splitstage-epoch:{seed}:{epoch}").shuffle(order)
-    order = order[offset:]
-    usable = len(order) - len(order) % world_size
-    return order[:usable][rank::world_size]
+    table = keys if isinstance(keys, KeyTable) else sorted(set(keys))
+    positions = epoch_positions(len(table), epoch, seed, rank, world_size, offset)
+    if isinstance(table, KeyTable):
+        return table.decode(positions)
+    return [table[i] for i in positions.tolist()]
 
 
 def collate(samples: list[dict[str, Any]], keys: list[str], mode: str = "stack") -> dict[str, Any]:
@@ -99,7 +118,9 @@ class CacheDataset:
     """Samples of a `CacheStore` for stage 2: `epoch_order` and prefetching `iterate`.
 
     `keys` defaults to every committed sample; their order does not matter (they are sorted, and
-    duplicates dropped) so the same set gives the same epoch orders everywhere.
+    duplicates dropped) so the same set gives the same epoch orders everywhere. They are held as
+    a `KeyTable` (no str per sample); `groups` gives, aligned with them, each sample's group
+    (identical param dtypes and shapes: an aspect bucket) and `group_labels` names each group.
 
     `collate="stack"` adds a batch dimension; `"cat"` concatenates on dim 0 (for DiffSynth-style
     values that already carry a batch dimension of 1). Verified shards are kept in an LRU of up
@@ -110,7 +131,7 @@ class CacheDataset:
     def __init__(
         self,
         store: CacheStore,
-        keys: Iterable[str] | None = None,
+        keys: Iterable[str] | KeyTable | None = None,
         *,
         collate: str = "stack",
         shard_cache_bytes: int = 256 * 2**20,
@@ -118,14 +139,14 @@ class CacheDataset:
         if collate not in ("stack", "cat"):
             raise ValueError(f"collate must be 'stack' or 'cat', got {collate!r}")
         self.store = store
-        committed = store.committed_keys()
-        self.keys = sorted(committed if keys is None else set(keys))
-        missing = [k for k in self.keys if k not in committed]
-        if missing:
+        self.keys = store.key_table() if keys is None else KeyTable.from_keys(keys)
+        missing = store.missing(self.keys) if keys is not None else self.keys[:0]
+        if len(missing):
             raise SampleNotCachedError(
                 f"{len(missing)} of {len(self.keys)} sample keys are not in cache {store.url} "
                 f"(e.g. {', '.join(missing[:3])}); run preprocess for them first"
             )
+        self.groups, self.group_labels = store.groups_of(self.keys)
         self.collate = collate
         self.shard_cache_bytes = shard_cache_bytes
         self.stall_seconds = 0.0
@@ -241,6 +262,17 @@ class CacheDataset:
         if prefetch <= 0:
             return self._iterate_inline(todo, group, with_keys)
         return self._iterate_threaded(todo, group, prefetch, with_keys)
+
+    def iterate_keys(
+        self, batches: list[list[str]], prefetch: int = 2, *, with_keys: bool = False
+    ) -> Iterator[dict[str, Any]]:
+        """Yield the given batches of sample keys (a batch plan's), prefetching in a thread."""
+        self.stall_seconds = 0.0
+        self.batches_yielded = 0
+        group = max(1, prefetch)
+        if prefetch <= 0:
+            return self._iterate_inline(batches, group, with_keys)
+        return self._iterate_threaded(batches, group, prefetch, with_keys)
 
     def _iterate_inline(
         self, batches: list[list[str]], group: int, with_keys: bool

@@ -1,7 +1,8 @@
-"""The cache's shard format: safetensors bytes holding many samples, their index entries, checks.
+"""The cache's shard format: safetensors bytes holding many samples, and a shard's checks.
 
 Tensors are named `<sample_key>/<param>` (identical tensors of a shard stored once, named by every
-sample); non-tensor values are JSON in ONE metadata key. Nothing here unpickles.
+sample); non-tensor values are JSON in ONE metadata key. Nothing here unpickles. Index entries
+(what commits a shard) are parsed in `index_entry`; their names are re-exported here.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -17,30 +17,28 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from splitstage.pipelines.safetensors_io import read_metadata
-from splitstage.splitter import UserError
+from splitstage.tasks.cache.errors import (  # noqa: F401  (re-exported: importers use fmt.X)
+    CacheCorruptError,
+    CacheNotFoundError,
+    SampleNotCachedError,
+)
+from splitstage.tasks.cache.index_entry import (  # noqa: F401  (re-exported, as above)
+    FORMAT_VERSION,
+    IndexEntry,
+    SampleSpecs,
+    check_name,
+    index_file,
+    parse_index_entry,
+    shard_file,
+    spec_key,
+    spec_table,
+)
+from splitstage.tasks.cache.shard_encode import Dedupe, serialize
 
-FORMAT_VERSION = 1
 META_KEY = "splitstage"  # ONE metadata key: safetensors writes several keys in random order
-_NAME_RE = re.compile(r"^[A-Za-z0-9_=-][A-Za-z0-9_.=-]*$")
 _JSON_SCALARS = (str, int, float, bool, type(None))
-
-
-class CacheCorruptError(UserError, RuntimeError):
-    """A shard or index entry is damaged or missing; the message names the file and the fix."""
-
-
-class CacheNotFoundError(UserError, FileNotFoundError):
-    """The cache (its folder, its bucket or the cache-key folder under it) does not exist."""
-
-
-class SampleNotCachedError(UserError, KeyError):
-    """Asked for sample keys that have no committed index entry."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -54,17 +52,6 @@ class ShardInfo:
     sample_keys: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class IndexEntry:
-    """One parsed index file: the shard it commits and each sample's params (spec or 'json')."""
-
-    shard_id: str
-    shard: str
-    nbytes: int
-    sha256: str
-    samples: Mapping[str, Mapping[str, Any]]
-
-
 @dataclass
 class CacheStats:
     """Counts from the index alone (no shard reads): unique samples, shards, shard bytes."""
@@ -74,6 +61,7 @@ class CacheStats:
     bytes: int
     duplicates: int
     duplicate_keys: list[str] = field(default_factory=list)
+    groups: dict[str, int] = field(default_factory=dict)  # param-spec group label -> samples
 
 
 @dataclass
@@ -127,16 +115,6 @@ class VerifyReport:
         return out + [f"  orphan {p} (shard without index entry; {fix})" for p in self.orphans]
 
 
-def check_name(kind: str, name: Any) -> str:
-    """Validate a cache key or sample key: a non-empty name without '/' or spaces."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(
-            f"{kind} {name!r} is not a valid name: use letters, digits, '_', '.', '-' or '=', "
-            f"not starting with '.' (a hex content hash is typical)"
-        )
-    return name
-
-
 def check_json(value: Any, where: str) -> None:
     """Raise TypeError naming `where` unless `value` is a JSON value (no tuples/sets/objects)."""
     if isinstance(value, _JSON_SCALARS):
@@ -174,12 +152,6 @@ def _sole_owner(value: torch.Tensor, seen: set[int]) -> torch.Tensor:
     return t
 
 
-def _digest(t: torch.Tensor) -> bytes:
-    """Content hash of a contiguous CPU tensor's bytes."""
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-    return hashlib.blake2b(raw, digest_size=16).digest()
-
-
 def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[str, Any]]:
     """Serialise samples into safetensors bytes; return them and the index's per-sample specs."""
     if not samples:
@@ -188,7 +160,7 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
     values: dict[str, dict[str, Any]] = {}
     specs: dict[str, dict[str, Any]] = {}
     seen_storage: set[int] = set()
-    by_content: dict[tuple, str] = {}  # identical tensors (e.g. the empty-prompt embedding)
+    dedupe = Dedupe()  # identical tensors (e.g. the empty-prompt embedding)
     for key in sorted(samples):
         check_name("sample key", key)
         params = samples[key]
@@ -202,11 +174,10 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
             if isinstance(value, torch.Tensor):
                 t = _sole_owner(value, seen_storage)
                 spec = {"dtype": str(t.dtype)[6:], "shape": list(t.shape)}
-                content = (spec["dtype"], tuple(t.shape), _digest(t))
-                if content in by_content:  # stored once per shard, named by every sample
-                    spec["same_as"] = by_content[content]
+                same = dedupe.first(t, f"{key}/{param}")
+                if same is not None:  # stored once per shard, named by every sample
+                    spec["same_as"] = same
                 else:
-                    by_content[content] = f"{key}/{param}"
                     tensors[f"{key}/{param}"] = t
                 specs[key][param] = spec
             else:
@@ -215,7 +186,7 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
                 specs[key][param] = "json"
     blob = {"format": FORMAT_VERSION, "values": values}
     meta = {META_KEY: json.dumps(blob, sort_keys=True, separators=(",", ":"), allow_nan=True)}
-    return st_save(tensors, metadata=meta), specs
+    return serialize(tensors, meta), specs
 
 
 def decode_shard(data: bytes, entry: IndexEntry) -> dict[str, dict[str, Any]]:
@@ -246,59 +217,6 @@ def decode_shard(data: bytes, entry: IndexEntry) -> dict[str, dict[str, Any]]:
     return out
 
 
-def shard_file(shard_id: str) -> str:
-    """Relative path of a shard file."""
-    return f"shards/{shard_id}.safetensors"
-
-
-def index_file(shard_id: str) -> str:
-    """Relative path of a shard's index entry."""
-    return f"index/{shard_id}.json"
-
-
-def _bad_spec(spec: Any) -> bool:
-    """True unless `spec` is "json" or {"dtype": str, "shape": [int >= 0, ...], "same_as"?}."""
-    if spec == "json":
-        return False
-    if not isinstance(spec, dict) or set(spec) - {"dtype", "shape", "same_as"}:
-        return True
-    shape, types = spec.get("shape"), (spec.get("dtype"), spec.get("same_as", ""))
-    ints = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-    return not ints or not all(isinstance(t, str) for t in types)
-
-
-def parse_index_entry(data: bytes, shard_id: str, url: str) -> IndexEntry:
-    """Parse and validate one index entry (fields, shard name, sample keys, param specs);
-    CacheCorruptError naming it (`url`) on any problem."""
-    where = f"index entry {url}"
-    fix = "rerun preprocess: it moves the entry aside and recomputes that shard's samples"
-    try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CacheCorruptError(f"{where} is not valid JSON ({exc}); {fix}") from None
-    if not isinstance(raw, dict):
-        raise CacheCorruptError(f"{where} is not a JSON object; {fix}")
-    if isinstance(raw.get("format"), int) and raw["format"] > FORMAT_VERSION:
-        raise CacheCorruptError(
-            f"{where} has format {raw['format']}, newer than this splitstage reads "
-            f"({FORMAT_VERSION}); upgrade splitstage"
-        )
-    fields = (("format", int), ("shard", str), ("bytes", int), ("sha256", str), ("samples", dict))
-    for name, kind in fields:
-        if not isinstance(raw.get(name), kind) or isinstance(raw.get(name), bool):
-            raise CacheCorruptError(f"{where} has a missing or bad field '{name}'; {fix}")
-    if raw["shard"] != shard_file(shard_id) or raw["bytes"] < 0 or not raw["samples"]:
-        raise CacheCorruptError(
-            f"{where} names shard {raw['shard']!r} (expected {shard_file(shard_id)!r}), "
-            f"{raw['bytes']} bytes and {len(raw['samples'])} samples; {fix}"
-        )
-    for key, params in raw["samples"].items():
-        bad = [p for p, spec in params.items() if _bad_spec(spec)] if params else []
-        if not _NAME_RE.match(key) or not isinstance(params, dict) or not params or bad:
-            raise CacheCorruptError(f"{where} has a bad entry for sample {key!r} {bad}; {fix}")
-    return IndexEntry(shard_id, raw["shard"], raw["bytes"], raw["sha256"], raw["samples"])
-
-
 def byte_groups(entries: list[IndexEntry], limit: int) -> list[list[IndexEntry]]:
     """Split entries into consecutive groups of at most `limit` shard bytes (at least one each)."""
     groups: list[list[IndexEntry]] = []
@@ -312,29 +230,14 @@ def byte_groups(entries: list[IndexEntry], limit: int) -> list[list[IndexEntry]]
     return groups
 
 
-def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
-    """Return a manifest (JSON bytes, or parsed) after checking its shape: an object whose
-    'samples', when there, is a list of sample keys; CacheCorruptError naming `where`."""
-    with contextlib.suppress(ValueError, RecursionError):
-        manifest = json.loads(manifest) if isinstance(manifest, bytes) else manifest
-    samples = manifest.get("samples", []) if isinstance(manifest, dict) else None
-    if not isinstance(samples, list) or not all(isinstance(k, str) for k in samples):
-        samples = None
-    if samples is None or not all(_NAME_RE.match(k) for k in samples):
-        raise CacheCorruptError(
-            f"manifest {where} is not a splitstage manifest (not JSON, or 'samples' is not a list "
-            f"of sample keys); rerun preprocess to rewrite it"
-        )
-    return manifest
-
-
 def prepare_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[ShardInfo, bytes, bytes]:
     """Encode one shard: its info, shard bytes and index-entry bytes (the id hashes the bytes)."""
     data, specs = encode_shard(samples)
     digest = hashlib.sha256(data).hexdigest()
     info = ShardInfo(digest[:32], shard_file(digest[:32]), len(data), digest, tuple(specs))
     entry = {"format": FORMAT_VERSION, "shard": info.path, "bytes": info.nbytes}
-    entry |= {"sha256": digest, "samples": specs}
+    table = spec_table(specs)
+    entry |= {"sha256": digest, "specs": table.table, "samples": table.index}
     return info, data, json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
 
 

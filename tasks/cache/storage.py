@@ -15,20 +15,16 @@ import errno
 import os
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from stat import S_ISDIR, S_ISREG
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from splitstage.pipelines import urls
+from splitstage.pipelines.storage_options import open_url, s3_options, with_credentials
 from splitstage.pipelines.urls import redact, scrub
 from splitstage.splitter import UserError
 
-_S3_ALIASES = {
-    "aws_access_key_id": "key",
-    "aws_secret_access_key": "secret",
-    "aws_session_token": "token",
-}
 _CREDENTIAL_CODES = {
     "InvalidAccessKeyId",
     "SignatureDoesNotMatch",
@@ -80,39 +76,29 @@ _LOCAL_ERRNOS = {  # errno -> (error class, what happened, the fix)
 }
 
 
-def _s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Normalise S3 options: boto names to s3fs names, endpoint from options or AWS_ENDPOINT_URL."""
-    opts = {_S3_ALIASES.get(k, k): v for k, v in options.items()}
-    client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-    named = {"storage_options.endpoint_url": opts.pop("endpoint_url", None)}
-    named["storage_options.client_kwargs.endpoint_url"] = client_kwargs.get("endpoint_url")
-    named.update({v: os.environ.get(v) for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")})
-    source = next((name for name, value in named.items() if value), None)
-    if source:  # a bad endpoint fails late, deep in botocore, or (with a path) writes elsewhere
-        client_kwargs["endpoint_url"] = urls.validate_endpoint_url(named[source], source)
-    if client_kwargs:
-        opts["client_kwargs"] = client_kwargs
-    return opts
+_s3_options = s3_options  # one definition, shared with the data sets
 
 
 def open_fs(
-    url: str, storage_options: Mapping[str, Any] | None = None, *, field: str | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    field: str | None = None,
+    credentials_block: str | None = None,
 ) -> tuple[Any, str]:
     """Return `(fs, root_path)` for a local path, `file://`, `memory://` or `s3://bucket/prefix`.
 
     The URL is normalised first (`pipelines.urls.normalize_url`, without the bucket-naming rules:
     `s3://b//p/` opens `b/p`; `..` in object keys is refused); `~` is expanded on this machine.
     Bad forms raise `pipelines.urls.InvalidURLError` (a ValueError) naming `field` when given.
+    `credentials_block` names a Prefect block whose credentials are added (object stores only).
     """
-    url = urls.normalize_url(url, field, check_bucket=False)
-    protocol = urls.scheme_of(url)
     opts = dict(storage_options or {})
-    if protocol == "file":
-        url = urls.local_path(url)
-    elif protocol == "s3":
-        opts = _s3_options(opts)
+    if credentials_block:
+        opts = with_credentials(url, opts, credentials_block, field=field or "credentials_block")
+    protocol = urls.scheme_of(url.strip()) if isinstance(url, str) else "file"
     try:
-        fs, root = fsspec.core.url_to_fs(url, **opts)
+        return open_url(url, opts, field=field)
     except ImportError as exc:
         raise StorageError(
             f"cannot open {url}: the filesystem for '{protocol}://' is not installed ({exc.name}); "
@@ -123,7 +109,6 @@ def open_fs(
             f"cannot open {url}: unknown storage option in {sorted(redact(opts))} "
             f"({scrub(str(exc), opts)}); fix storage_options."
         ) from None
-    return fs, root.rstrip("/") or root
 
 
 def is_local(fs: Any) -> bool:
@@ -258,6 +243,26 @@ def read_many(fs: Any, paths: Sequence[str]) -> list[bytes | BaseException]:
         return []
     paths = list(paths)
     return fs.cat_ranges(paths, [None] * len(paths), [None] * len(paths), on_error="return")
+
+
+def local_ls(path: str) -> list[dict[str, Any]]:
+    """`fs.ls(path, detail=True)` of a local folder from one `os.scandir` (fsspec's costs ~30 us
+    a file in Python: 0.5 s for a million-sample index): name, size, type, mtime, inode."""
+    out = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            try:
+                info = entry.stat()  # follows links, as fsspec's info does
+            except FileNotFoundError:  # removed meanwhile, or a broken link
+                continue
+            mode = info.st_mode
+            kind = "directory" if S_ISDIR(mode) else "file" if S_ISREG(mode) else "other"
+            name = f"{path.rstrip('/')}/{entry.name}"
+            out.append(
+                {"name": name, "size": info.st_size, "type": kind, "mtime": info.st_mtime}
+                | {"ino": info.st_ino}
+            )
+    return out
 
 
 def list_dir(fs: Any, path: str) -> list[str]:

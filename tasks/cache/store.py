@@ -4,34 +4,58 @@ Layout under `<url>/<cache_key>/`:
   shards/<shard_id>.safetensors  many samples; tensors named `<sample_key>/<param>`, non-tensor
                                  values as one JSON blob in the safetensors metadata
   index/<shard_id>.json          written only after its shard: byte size, sha256, sample params
-  manifest.json                  written by the preprocessing coordinator
+  manifest.json                  written by the preprocessing coordinator (`manifest`), with
+  manifest-samples-<sha>.safetensors  its sample keys, compact
+  index-snapshot.safetensors     the index as arrays, written with the manifest (`index_snapshot`)
   quarantine/                    damaged index entries and shards moved aside, with the problem
 
 `shard_id` hashes the shard bytes, so two workers writing the same samples write the same names.
 A sample is visible only once its index entry exists. Reads check size and sha256 before parsing;
-nothing is ever unpickled: a cache in a shared bucket cannot run code.
+nothing is ever unpickled: a cache in a shared bucket cannot run code. Checks and repair are in
+`repair` (mixed in here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
-from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
+import splitstage.tasks.cache.manifest as mf
 import splitstage.tasks.cache.shard_format as fmt
 import splitstage.tasks.cache.storage as st
-from splitstage.tasks.cache.shard_format import CacheCorruptError, SampleNotCachedError
+from splitstage.tasks.cache.compact_index import CompactIndex, IndexBuilder, release_freed_memory
+from splitstage.tasks.cache.errors import CacheCorruptError, SampleNotCachedError
+from splitstage.tasks.cache.index_entry import seen_digest
+from splitstage.tasks.cache.index_snapshot import read_index, write_snapshot
+from splitstage.tasks.cache.key_table import KeyTable
+from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChecks
 from splitstage.tasks.cache.storage import storage_errors, write_chains
 
-_READ_BATCH_BYTES = 256 * 2**20
-QUARANTINE, encode_shard = "quarantine", fmt.encode_shard  # (encode_shard: importable from here)
+_INDEX_BATCH = 1024  # index entries per batched read (bounds the bytes held at once)
+encode_shard = fmt.encode_shard  # importable from here, as are the errors, QUARANTINE, seen_digest
+__all__ = [
+    "QUARANTINE",
+    "CacheCorruptError",
+    "CacheStore",
+    "SampleNotCachedError",
+    "encode_shard",
+    "seen_digest",
+]
 
 
-class CacheStore:
+class _Seen(dict):
+    """{shard id: digest} that takes the entry bytes themselves (`seen[id] = data`)."""
+
+    def __setitem__(self, shard_id: str, data: bytes) -> None:
+        super().__setitem__(shard_id, seen_digest(data))
+
+
+class CacheStore(CacheChecks):
     """The cache under `<url>/<cache_key>/`: write shards, list committed samples, read, verify."""
 
     shard_file = staticmethod(fmt.shard_file)
@@ -49,9 +73,9 @@ class CacheStore:
             self.fs, root = st.open_fs(url, self._options)
         self.root = st.join(root, cache_key)
         self._lock = threading.Lock()
-        self._entries: dict[str, fmt.IndexEntry] | None = None
-        self._owner: dict[str, str] = {}
-        self._seen: dict[str, bytes] = {}  # index entry bytes as last read, by shard id
+        self._index: CompactIndex | None = None  # the committed index as arrays, once read
+        self._pending: list[fmt.IndexEntry] = []  # entries written since, merged on look-up
+        self._seen = _Seen()  # digests of index entry bytes as last read or written, by shard id
 
     def __repr__(self) -> str:
         return f"CacheStore(url={self.url!r}, storage_options={st.redact(self._options)!r})"
@@ -92,23 +116,56 @@ class CacheStore:
         return [info for info, _ in done]
 
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
-        """Write `manifest.json` atomically (the preprocessing coordinator's record of the run)."""
-        fmt.check_json(dict(manifest), "manifest")
-        fmt.check_manifest(dict(manifest), self._url(self._path("manifest.json")))
-        data = json.dumps(manifest, sort_keys=True, indent=2).encode()
+        """Write the manifest atomically (the preprocessing coordinator's record of the run); its
+        `samples` (a list of keys or a KeyTable) go into a compact samples file it names."""
+        where = self._url(self._path(mf.MANIFEST))
+        fmt.check_json({k: v for k, v in manifest.items() if k != "samples"}, "manifest")
+        data, samples_file = mf.encode_manifest(manifest, where)
         with storage_errors(self.url, "write manifest under", self._options):
-            st.write_atomic(self.fs, self._path("manifest.json"), data)
+            try:
+                old = mf.samples_file_name(self._raw_manifest())
+            except CacheCorruptError:
+                old = None
+            if samples_file is not None:
+                st.write_atomic(self.fs, self._path(samples_file[0]), samples_file[1])
+            st.write_atomic(self.fs, self._path(mf.MANIFEST), data)
+            if old and old != (samples_file or ("",))[0]:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(self._path(old))
 
-    def read_manifest(self) -> dict[str, Any] | None:
-        """Return `manifest.json`, None when not written, CacheCorruptError when not a manifest."""
-        path = self._path("manifest.json")
+    def _read_file(self, rel: str) -> bytes | None:
+        """One file under the cache root, None when it is not there."""
+        path = self._path(rel)
         (data,) = st.read_many(self.fs, [path])
         if isinstance(data, BaseException):
             st.raise_if_storage_error(data, self._url(path), "read", self._options)
             if isinstance(data, FileNotFoundError):
                 return None
             raise data
-        return fmt.check_manifest(data, self._url(path))
+        return data
+
+    def _raw_manifest(self) -> dict[str, Any] | None:
+        """The manifest as stored (checked), None when not written."""
+        data = self._read_file(mf.MANIFEST)
+        return None if data is None else mf.check_manifest(data, self._url(self._path(mf.MANIFEST)))
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        """The manifest with its `samples` as a KeyTable (from its samples file, or inline in
+        older manifests); None when not written, CacheCorruptError when not a manifest."""
+        where = self._url(self._path(mf.MANIFEST))
+        raw = self._raw_manifest()
+        name = mf.samples_file_name(raw)
+        data = None if name is None else self._read_file(name)
+        if name is not None and data is None:  # replaced since? (a coordinator writing)
+            raw = self._raw_manifest()
+            name = mf.samples_file_name(raw)
+            data = None if name is None else self._read_file(name)
+        return None if raw is None else mf.decode_samples(raw, data, where)
+
+    def write_index_snapshot(self) -> int:
+        """Write the index snapshot beside the manifest (what the preprocessing coordinator
+        does after the manifest) so stage 2 loads the index from one file; entries it holds."""
+        return write_snapshot(self)
 
     # ---- the index ----------------------------------------------------------------------------
     def _list(self, rel: str, suffix: str | None) -> dict[str, dict[str, Any]]:
@@ -119,7 +176,7 @@ class CacheStore:
             self.fs.invalidate_cache(path)
         with storage_errors(self.url, "list", self._options):
             try:
-                infos = self.fs.ls(path, detail=True)
+                infos = st.local_ls(path) if st.is_local(self.fs) else self.fs.ls(path, detail=True)
             except (FileNotFoundError, NotADirectoryError) as exc:
                 if st.error_code(exc) is not None:
                     raise
@@ -127,92 +184,129 @@ class CacheStore:
         keep = (i for i in infos if i.get("type") == "file" and i["name"].endswith(suffix or ""))
         return {i["name"]: i for i in (infos if suffix is None else keep)}
 
-    def _read_index(self) -> tuple[list[fmt.IndexEntry], list[fmt.ShardProblem], dict[str, Any]]:
-        """List and read every index entry (one batched read): entries, bad ones, the listing."""
-        listing = self._list("index", ".json")
-        paths = sorted(listing)
-        with storage_errors(self.url, "read the index of", self._options):
-            datas = st.read_many(self.fs, paths)
-        entries: list[fmt.IndexEntry] = []
-        problems: list[fmt.ShardProblem] = []
-        for path, data in zip(paths, datas):
-            shard_id = path.rsplit("/", 1)[-1].removesuffix(".json")
-            if isinstance(data, BaseException):
-                st.raise_if_storage_error(data, self._url(path), "read", self._options)
-                if isinstance(data, FileNotFoundError):
-                    continue  # removed between listing and reading
-                raise data
-            self._seen[shard_id] = data
-            try:
-                entries.append(fmt.parse_index_entry(data, shard_id, self._url(path)))
-            except CacheCorruptError as exc:
-                problems.append(fmt.ShardProblem(self._url(path), str(exc), shard_id, (), "index"))
-        return entries, problems, listing
+    def _scan(self, paths: list[str]) -> Iterator[tuple[str, str, bytes]]:
+        """Read index entries in batches: (shard id, path, bytes) of each one still there."""
+        for start in range(0, len(paths), _INDEX_BATCH):
+            group = paths[start : start + _INDEX_BATCH]
+            with storage_errors(self.url, "read the index of", self._options):
+                datas = st.read_many(self.fs, group)
+            for path, data in zip(group, datas):
+                if isinstance(data, BaseException):
+                    st.raise_if_storage_error(data, self._url(path), "read", self._options)
+                    if isinstance(data, FileNotFoundError):
+                        continue  # removed between listing and reading
+                    raise data
+                yield path.rsplit("/", 1)[-1].removesuffix(".json"), path, data
+
+    @property
+    def _entries(self) -> CompactIndex | None:
+        """The index as last read (None: not read since `refresh()`), without later writes."""
+        return self._index
 
     def _set_entries(self, entries: Iterable[fmt.IndexEntry]) -> None:
         """Replace the cached listing."""
+        index = IndexBuilder().add_all(sorted(entries, key=lambda e: e.shard_id)).build()
         with self._lock:
-            self._entries, self._owner = {}, {}
-            for entry in sorted(entries, key=lambda e: e.shard_id):
-                self._add_entry(entry)
+            self._index, self._pending = index, []
 
     def _add_entry(self, entry: fmt.IndexEntry) -> None:
-        """Add an entry to the cached listing; duplicates resolve to the lowest shard id."""
-        assert self._entries is not None
-        self._entries[entry.shard_id] = entry
-        for key in entry.samples:
-            owner = self._owner.get(key)
-            if owner is None or entry.shard_id < owner:
-                self._owner[key] = entry.shard_id
+        """Add an entry to the cached listing (merged at the next look-up; the caller holds the
+        lock); duplicates resolve to the lowest shard id."""
+        self._pending.append(entry)
 
     def _load_index(self) -> None:
-        """Read the index once (cached until `refresh()`); CacheCorruptError on a bad entry."""
+        """Read the index once (cached until `refresh()`), from the snapshot where it still holds
+        (`index_snapshot`); CacheCorruptError on a bad entry. Entries become arrays chunk by
+        chunk: no per-sample objects outlive the read."""
         with self._lock:
-            if self._entries is not None:
+            if self._index is not None:
                 return
-        entries, problems, _ = self._read_index()
-        if problems:
-            raise CacheCorruptError(problems[0].problem)
-        self._set_entries(entries)
+        index, _ = read_index(self)
+        release_freed_memory()
+        with self._lock:
+            self._index, self._pending, self._seen = index, [], _Seen()
+
+    def _current(self) -> CompactIndex:
+        """The index with every entry this store wrote since it was read."""
+        while True:
+            self._load_index()
+            with self._lock:
+                if self._index is None:
+                    continue  # refreshed meanwhile
+                if self._pending:
+                    builder = IndexBuilder(self._index)
+                    for entry in self._pending:
+                        builder.add(entry)
+                    self._index, self._pending = builder.build(), []
+                return self._index
 
     def refresh(self) -> None:
         """Forget the cached listing so the next call re-reads the index (see other writers)."""
         with self._lock:
-            self._entries = None
-            self._owner = {}
+            self._index, self._pending = None, []
 
     def committed_keys(self) -> set[str]:
         """Sample keys with a committed index entry (listing cached until `refresh()`; after
-        `check`, only those with an intact copy)."""
-        self._load_index()
-        with self._lock:
-            return set(self._owner)
+        `check`, only those with an intact copy). A set of str: stage 2 uses `key_table()`."""
+        return set(self._current().table())
+
+    def key_table(self) -> KeyTable:
+        """The committed sample keys, sorted, held compactly (as `committed_keys`)."""
+        return self._current().table()
+
+    def contains(self, keys: Iterable[str] | KeyTable) -> np.ndarray:
+        """Boolean mask over `keys` (str in any order, or a KeyTable): which are committed."""
+        return self._current().table().contains(keys)
+
+    def missing(self, keys: Iterable[str] | KeyTable) -> KeyTable:
+        """The distinct keys of `keys` that are not committed, sorted."""
+        keys = KeyTable.from_keys(keys)
+        return keys.select(~self.contains(keys))
+
+    def groups_of(self, keys: KeyTable) -> tuple[np.ndarray, list[str]]:
+        """For committed `keys`: each one's group (samples with identical param dtypes and
+        shapes share one, e.g. an aspect bucket) and a readable label per group number."""
+        index = self._current()
+        found, _, spec = index.lookup(keys)
+        if not found.all():
+            raise self._not_committed(keys.select(~found).to_list())
+        of_spec, labels = index.groups()
+        return of_spec[spec] if len(of_spec) else np.zeros(len(keys), np.int32), labels
+
+    def _not_committed(self, missing: list[str]) -> SampleNotCachedError:
+        """The error for asking after uncommitted keys."""
+        return SampleNotCachedError(
+            f"{len(missing)} sample key(s) are not committed in {self.url} (e.g. "
+            f"{', '.join(sorted(missing)[:3])}); run preprocess for them, or refresh() if "
+            f"another worker wrote them since this store listed the index"
+        )
 
     def shard_of(self, keys: Iterable[str]) -> dict[str, str]:
         """Map each sample key to the shard id readers use for it; raise for uncommitted keys."""
-        self._load_index()
-        with self._lock:
-            owner = dict(self._owner)
+        index = self._current()
         keys = list(keys)
-        missing = [k for k in keys if k not in owner]
-        if missing:
-            raise SampleNotCachedError(
-                f"{len(missing)} sample key(s) are not committed in {self.url} (e.g. "
-                f"{', '.join(sorted(missing)[:3])}); run preprocess for them, or refresh() if "
-                f"another worker wrote them since this store listed the index"
-            )
-        return {k: owner[k] for k in keys}
+        found, shard, _ = index.lookup(keys)
+        if not found.all():
+            raise self._not_committed([k for k, f in zip(keys, found) if not f])
+        ids = {n: index.shard_id(n) for n in set(shard.tolist())}
+        return {k: ids[n] for k, n in zip(keys, shard.tolist())}
 
     def _entry(self, shard_id: str) -> fmt.IndexEntry:
         """The index entry of a shard; raise when the shard is not committed."""
-        self._load_index()
-        with self._lock:
-            entry = (self._entries or {}).get(shard_id)
-        if entry is None:
+        index = self._current()
+        number = index.shard_number(shard_id)
+        if number is None:
             raise SampleNotCachedError(
                 f"shard {shard_id!r} has no index entry in {self.url}; refresh() or check the id"
             )
-        return entry
+        return index.entry(number)
+
+    def _seen_digest(self, shard_id: str) -> bytes | None:
+        """Digest of a shard's index entry bytes as this store last read or wrote them."""
+        with self._lock:
+            digest, index = self._seen.get(shard_id), self._index
+        number = None if digest is not None or index is None else index.shard_number(shard_id)
+        return digest if number is None else index.seen(number) or None
 
     # ---- reading ----------------------------------------------------------------------------
     def _verified(self, entry: fmt.IndexEntry, data: bytes | BaseException) -> dict[str, Any]:
@@ -239,7 +333,7 @@ class CacheStore:
         """Read and verify many shards in batched requests: {shard_id: {sample_key: params}}."""
         entries = [self._entry(s) for s in dict.fromkeys(shard_ids)]
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for group in fmt.byte_groups(entries, _READ_BATCH_BYTES):
+        for group in fmt.byte_groups(entries, READ_BATCH_BYTES):
             datas = st.read_many(self.fs, [self._path(e.shard) for e in group])
             for entry, data in zip(group, datas):
                 out[entry.shard_id] = self._verified(entry, data)
@@ -255,125 +349,6 @@ class CacheStore:
         shards = self.read_shards(sorted(set(owners.values())))
         return {key: shards[shard][key] for key, shard in owners.items()}
 
-    # ---- checks and repair ------------------------------------------------------------------
-    def check(
-        self,
-        checksums: str = "changed",
-        *,
-        keys: Collection[str] | None = None,
-        params: Collection[str] | None = None,
-        touch: bool = False,
-    ) -> fmt.VerifyReport:
-        """Check the index against ONE listing of `shards/`: entries parse, shards exist with the
-        size named, samples hold exactly `params` (if given); re-read shards (sha256, parse): all,
-        those "changed" after their index entry, or "none"; given `keys`, only entries listing one.
-        Damaged entries leave the listing, nothing moves; `touch` re-commits changed-but-good."""
-        if checksums not in ("all", "changed", "none"):
-            raise ValueError(f"checksums must be 'all', 'changed' or 'none', not {checksums!r}")
-        report = fmt.VerifyReport(self.url, checksums=checksums)
-        entries, report.damaged, index_info = self._read_index()
-        shard_info = self._list("shards", ".safetensors")
-        wanted = None if keys is None else set(keys)
-        intact, reread, changed = [], [], set()
-        for entry in entries:
-            info = shard_info.get(self._path(entry.shard))
-            index_path = self._path(self.index_file(entry.shard_id))
-            size = None if info is None else info.get("size", entry.nbytes)
-            found = fmt.shard_problem(entry, size, None, self._url(self._path(entry.shard)))
-            found = found or fmt.params_problem(entry, params, self._url(index_path))
-            if found:
-                report.damaged.append(self._problem(entry, *found))
-                continue
-            newer = fmt.newer(info, index_info.get(index_path))
-            relevant = wanted is None or not wanted.isdisjoint(entry.samples)
-            if relevant and (checksums == "all" or (checksums == "changed" and newer)):
-                reread.append(entry)
-                changed.update([entry.shard_id] if newer else [])
-            else:
-                intact.append(entry)
-        for group in fmt.byte_groups(reread, _READ_BATCH_BYTES):
-            datas = st.read_many(self.fs, [self._path(e.shard) for e in group])
-            for entry, data in zip(group, datas):
-                try:
-                    self._verified(entry, data)
-                except CacheCorruptError as exc:
-                    report.damaged.append(self._problem(entry, "content", str(exc)))
-                    continue
-                report.bytes_checked += entry.nbytes
-                intact.append(entry)
-                if touch and entry.shard_id in changed:
-                    path = self._path(self.index_file(entry.shard_id))
-                    with storage_errors(self.url, "rewrite an index entry under", self._options):
-                        st.write_atomic(self.fs, path, self._seen[entry.shard_id])
-        self._set_entries(intact)
-        owned = self.committed_keys()
-        report.shards_checked, report.samples = len(entries), len(owned)
-        report.lost = sorted({k for p in report.damaged for k in p.samples} - owned)
-        named = {self._path(e.shard) for e in entries}
-        named |= {self._path(self.shard_file(p.shard_id)) for p in report.damaged}
-        report.orphans = [self._url(p) for p in sorted(shard_info) if p not in named]
-        return report
-
-    def _problem(self, entry: fmt.IndexEntry, kind: str, text: str) -> fmt.ShardProblem:
-        path = self._url(self._path(entry.shard))
-        return fmt.ShardProblem(path, text, entry.shard_id, tuple(sorted(entry.samples)), kind)
-
-    def verify(self, params: Collection[str] | None = None) -> fmt.VerifyReport:
-        """Re-read every shard (size, sha256, parse, tensors as the index lists them), check the
-        params when given, and compare with the manifest when there is one. Moves nothing."""
-        report = self.check("all", params=params)
-        try:
-            manifest = self.read_manifest()
-        except CacheCorruptError as exc:
-            path = self._url(self._path("manifest.json"))
-            report.damaged.append(fmt.ShardProblem(path, str(exc), kind="manifest"))
-            return report
-        if manifest is not None and "samples" in manifest:
-            report.manifest_samples = len(manifest["samples"])
-            report.missing = sorted(set(manifest["samples"]) - self.committed_keys())
-        return report
-
-    def quarantine(self, problems: Iterable[fmt.ShardProblem]) -> list[str]:
-        """Move damaged index entries, then their shard files, to `quarantine/` (with
-        `<id>.problem.txt` saying why): no reader sees them again, the next preprocess recomputes
-        them. Entries repaired since the check are left alone. Returns the index entries moved."""
-        moved = []
-        for problem in (p for p in problems if p.shard_id):  # not the manifest: preprocess rewrites
-            rel = self.index_file(problem.shard_id)
-            (data,) = st.read_many(self.fs, [self._path(rel)])
-            if data != self._seen.get(problem.shard_id) or self._healed(problem, data):
-                continue  # gone, rewritten or repaired since the check
-            if self._move_aside(rel):
-                self._move_aside(self.shard_file(problem.shard_id))
-                note = self._path(f"{QUARANTINE}/{problem.shard_id}.problem.txt")
-                with storage_errors(self.url, "write under", self._options):
-                    st.write_atomic(self.fs, note, f"{problem.problem}\n".encode())
-                moved.append(self._url(self._path(rel)))
-        return moved
-
-    def _healed(self, problem: fmt.ShardProblem, data: bytes) -> bool:
-        """True when a damaged shard now verifies (another writer rewrote it since the check)."""
-        if problem.kind in ("index", "params"):
-            return False
-        entry = fmt.parse_index_entry(data, problem.shard_id, problem.path)
-        try:
-            self._verified(entry, st.read_many(self.fs, [self._path(entry.shard)])[0])
-        except CacheCorruptError:
-            return False
-        return True
-
-    def _move_aside(self, rel: str) -> bool:
-        """Move one cache file into `quarantine/`; False when it is not there."""
-        dst = self._path(f"{QUARANTINE}/{rel.rsplit('/', 1)[-1]}")
-        with storage_errors(self.url, "move a damaged file under", self._options):
-            if st.is_local(self.fs):
-                self.fs.makedirs(self._path(QUARANTINE), exist_ok=True)
-            try:
-                self.fs.mv(self._path(rel), dst)
-            except FileNotFoundError:
-                return False
-        return True
-
     def require(self, fix: str) -> None:
         """Raise CacheNotFoundError, one line naming the URL and `fix`, unless this cache's
         folder exists (on object storage: holds any object); bucket errors name the bucket."""
@@ -387,13 +362,15 @@ class CacheStore:
             raise fmt.CacheNotFoundError(f"cache {self.url} holds no samples: {why}; {fix}")
 
     def stats(self) -> fmt.CacheStats:
-        """Samples, shards, shard bytes and duplicated sample keys, from the index alone."""
-        self._load_index()
-        with self._lock:
-            entries = list((self._entries or {}).values())
-            owner = dict(self._owner)
-        counts = Counter(k for e in entries for k in e.samples)
-        dups = sorted(k for k, n in counts.items() if n > 1)
+        """Samples, shards, shard bytes, duplicated sample keys and samples per param-spec group
+        (e.g. per aspect bucket), from the index alone."""
+        index = self._current()
+        dups = index.duplicate_keys()
         return fmt.CacheStats(
-            len(owner), len(entries), sum(e.nbytes for e in entries), len(dups), dups
+            len(index.table()),
+            len(index.shard_ids),
+            int(index.shard_bytes.sum()),
+            len(dups),
+            dups,
+            index.group_counts(),
         )

@@ -8,7 +8,8 @@ Before computing, a worker checks the cache (`CacheStore.check`): one listing of
 `shards/` finds unreadable index entries, missing or resized shards and entries with other params;
 shards modified after their index entry (or, with `verify=True`, every shard of its samples) are
 re-read for sha256. Damaged entries are moved to `quarantine/` (by ONE worker: the one owning the
-entry's first sample) and reported; their samples are recomputed like new ones.
+entry's first sample) and reported; their samples are recomputed like new ones. The reports and
+the coordinator's manifest are in `report` (re-exported here).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import os
 import signal
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from typing import Any
 
@@ -32,172 +32,35 @@ from splitstage.pipelines.data import (
 )
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.splitter import UserError
-from splitstage.tasks.cache.shard_format import (
-    CacheCorruptError,
-    SampleNotCachedError,
-    ShardProblem,
-)
+from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.device import pick_device
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.stage1.pipeline import Stage1Pipeline
+from splitstage.tasks.stage1.report import (
+    CacheSnapshot,
+    PreprocessReport,
+    ShardReport,
+    snapshot,
+    summarize_preprocess,
+    summarize_shards,
+)
 from splitstage.tasks.validation_prompts import write_validation_prompts
 
 ProgressFn = Callable[[int, int], None]
-
-
-@dataclass
-class ShardReport:
-    """What one preprocessing worker did."""
-
-    shard: int
-    num_shards: int
-    assigned: int = 0
-    computed: int = 0
-    reused: int = 0
-    skipped: int = 0
-    bytes_written: int = 0
-    shards_written: int = 0
-    seconds: float = 0.0
-    damaged: int = 0
-    repaired: int = 0
-    bytes_verified: int = 0
-    quarantined: list[str] = field(default_factory=list)
-    undecodable: list[str] = field(default_factory=list)  # keys skipped at decode (skip_bad_rows)
-    validation_prompts: str | None = None  # shard 0 encodes the [validation] prompts: their URL
-
-
-@dataclass
-class PreprocessReport:
-    """The whole preprocessing run, summed over workers."""
-
-    cache_key: str
-    cache_url: str
-    samples: int = 0
-    computed: int = 0
-    reused: int = 0
-    skipped: int = 0
-    duplicates: int = 0
-    bytes_written: int = 0
-    shards_written: int = 0
-    seconds: float = 0.0
-    workers: int = 1
-    skipped_rows: list[tuple[int, str]] = field(default_factory=list)
-    damaged: int = 0  # damaged index entries (and their shards) moved to quarantine/
-    repaired: int = 0  # computed samples the cache had lost (damaged, or listed by the manifest)
-    bytes_verified: int = 0  # shard bytes re-read for their checksum
-    checksums: str = "changed"  # which shards were re-read: "changed" ones or "all"
-    quarantined: list[str] = field(default_factory=list)  # the index entries moved aside
-    validation_prompts: str | None = None  # URL of the encoded [validation] prompts
-
-    def line(self) -> str:
-        """The one-line summary the CLI prints."""
-        mb = self.bytes_written / 1e6
-        line = (
-            f"preprocess {self.cache_key}: {self.samples} samples, {self.computed} computed, "
-            f"{self.reused} reused, {self.skipped} skipped, {mb:.2f} MB written in "
-            f"{self.shards_written} shards, {self.seconds:.1f} s ({self.workers} workers)"
-        )
-        if self.damaged or self.repaired:
-            line += f"; repaired the cache: {self.repaired} lost samples computed again"
-        if self.damaged:
-            line += f", {self.damaged} damaged shard(s) moved to {self.cache_url}/quarantine/"
-        return line
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready report."""
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class CacheSnapshot:
-    """What a job's cache holds at one moment: committed sample keys, shard files, bytes."""
-
-    keys: frozenset[str]
-    shards: int
-    bytes: int
-
-
-def snapshot(store: CacheStore) -> CacheSnapshot:
-    """Read the cache index once: what preprocessing will reuse, and the figures to diff later
-    (entries one listing shows damaged count as not cached)."""
-    store.check("none")
-    stats = store.stats()
-    return CacheSnapshot(frozenset(store.committed_keys()), stats.shards, stats.bytes)
-
-
-def summarize_preprocess(
-    config: SplitstageConfig,
-    plan: JobPlan,
-    data: DataIndex,
-    reports: Iterable[ShardReport] | None,
-    before: CacheSnapshot,
-    workers: int,
-) -> PreprocessReport:
-    """Check every sample is committed, write the cache manifest, and sum up what was done.
-
-    With shard reports (local fan-out) the figures are the workers' own; without them (shards ran
-    as other flow runs elsewhere) they come from the cache: what got committed since `before`.
-    """
-    store = open_cache(config, plan)
-    store.check("none")  # samples count only with an intact-looking copy
-    committed = store.committed_keys()
-    # Rows whose image failed to decode were skipped (data.skip_bad_rows): not expected, and the
-    # manifest names them so stage 2 does not count them as missing.
-    undecodable = {k for r in reports or () for k in r.undecodable}
-    missing = set(data.keys) - committed - undecodable
-    if missing:
-        raise SampleNotCachedError(
-            f"preprocessing finished but {len(missing)} of {len(data.keys)} samples are not in "
-            f"the cache {store.url}; rerun it (only the missing samples are computed) and check "
-            "the shard runs' logs"
-        )
-    keys = set(data.keys) - undecodable
-    if reports is not None:
-        result = summarize_shards(plan, store, data, reports, workers)
-    else:
-        result = summarize_shards(plan, store, data, [], workers)
-        after = store.stats()
-        result.reused = len(keys & before.keys)
-        result.computed = len(keys - before.keys)
-        result.skipped = len(data.skipped)
-        result.bytes_written = max(0, after.bytes - before.bytes)
-        result.shards_written = max(0, after.shards - before.shards)
-    store.write_manifest(
-        {
-            "plan": plan.summary(),
-            "samples": sorted(keys),
-            "undecodable": sorted(undecodable),
-            "report": result.to_dict(),
-        }
-    )
-    return result
-
-
-def summarize_shards(
-    plan: JobPlan, store: CacheStore, data: DataIndex, reports: Iterable[ShardReport], workers: int
-) -> PreprocessReport:
-    """Sum the workers' shard reports into one run report."""
-    reports = list(reports)
-    quarantined = sorted({url for r in reports for url in r.quarantined})
-    return PreprocessReport(
-        cache_key=plan.cache_key,
-        cache_url=store.url,
-        samples=len(data.keys),
-        computed=sum(r.computed for r in reports),
-        reused=sum(r.reused for r in reports),
-        skipped=len(data.skipped) + sum(r.skipped - len(data.skipped) for r in reports),
-        duplicates=data.duplicates,
-        bytes_written=sum(r.bytes_written for r in reports),
-        shards_written=sum(r.shards_written for r in reports),
-        workers=workers,
-        skipped_rows=data.skipped,
-        damaged=len(quarantined),
-        repaired=sum(r.repaired for r in reports),
-        bytes_verified=sum(r.bytes_verified for r in reports),
-        quarantined=quarantined,
-        validation_prompts=next((r.validation_prompts for r in reports if r.shard == 0), None),
-    )
+__all__ = [  # the reports live in `report`; importers reach them from here too
+    "CacheSnapshot",
+    "PreprocessReport",
+    "ShardReport",
+    "preprocess",
+    "preprocess_shard",
+    "shard_of",
+    "snapshot",
+    "stage1_pipeline",
+    "summarize_preprocess",
+    "summarize_shards",
+]
 
 
 def shard_of(key: str, num_shards: int) -> int:
@@ -276,51 +139,76 @@ def preprocess_shard(
 
 
 def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
-    """Load the stage-1 models, run V2 in batches, flush full shards as they fill."""
+    """Load the stage-1 models and run the overlapped pipeline over `todo`, with a progress bar."""
     device = pick_device(config.preprocess.device)
     family = plan.family
     models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
     ctx = StepContext(models=models, device=device, settings=family.settings())
-    base = config.data.base_path
-    batch_size = config.preprocess.batch_size
-    buffer: dict[str, dict[str, Any]] = {}
+    done = 0
     bar = tqdm(
         total=len(todo),
         desc=f"preprocess {report.shard}/{report.num_shards}",
         unit="sample",
         disable=not progress,
     )
+
+    def finished(count: int) -> None:
+        nonlocal done
+        done += count
+        bar.update(count)
+        if on_progress:
+            on_progress(done, len(todo))
+
     with torch.no_grad(), bar:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
-            samples, keys = [], []
-            for row, key in chunk:
-                try:
-                    samples.append(family.load_sample(row, base))
-                    keys.append(key)
-                except DataError:
-                    if not config.data.skip_bad_rows:
-                        raise
-                    report.skipped += 1
-                    report.undecodable.append(key)
-            if samples:
-                batch = run_units(plan.v2_units, ctx, collate_samples(samples))
-                records = split_batch(batch, plan.split.boundary_params, len(samples))
-                buffer.update(zip(keys, records))
-                report.computed += len(samples)
-            while len(buffer) >= config.cache.shard_samples:
-                _flush(store, buffer, config.cache.shard_samples, report)
-            bar.update(len(chunk))
-            if on_progress:
-                on_progress(start + len(chunk), len(todo))
-        if buffer:
-            _flush(store, buffer, len(buffer), report)
+        stage1_pipeline(config, plan, store, ctx, report, finished).run(todo)
 
 
-def _flush(store: CacheStore, buffer: dict, count: int, report: ShardReport) -> None:
-    """Write the first `count` buffered samples as one shard (shard file, then its index)."""
-    keys = list(buffer)[:count]
-    info = store.write_shard({key: buffer.pop(key) for key in keys})
+def stage1_pipeline(
+    config: SplitstageConfig,
+    plan: JobPlan,
+    store: CacheStore,
+    ctx: StepContext,
+    report: ShardReport,
+    on_done: Callable[[int], None] | None = None,
+) -> Stage1Pipeline:
+    """The overlapped stage-1 pipeline of a job (`pipeline.Stage1Pipeline`): decode on threads,
+    V2 in batches of one shape on the caller (under its no_grad), shards written in the
+    background; counts go into `report`."""
+    family, base, params = plan.family, config.data.base_path, plan.split.boundary_params
+
+    def compute(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        batch = run_units(plan.v2_units, ctx, collate_samples(samples))
+        report.computed += len(samples)
+        return split_batch(batch, params, len(samples))
+
+    def skip(key: str, _error: DataError) -> None:
+        report.skipped += 1
+        report.undecodable.append(key)
+
+    return Stage1Pipeline(
+        load=lambda row: family.load_sample(row, base),
+        compute=compute,
+        write=lambda shard: _write(store, shard, report),
+        batch_size=config.preprocess.batch_size,
+        shard_samples=config.cache.shard_samples,
+        skip_bad_rows=config.data.skip_bad_rows,
+        on_skip=skip,
+        on_done=on_done,
+        decode_threads=_decode_threads(),
+    )
+
+
+def _decode_threads() -> int:
+    """Decode threads per worker: SPLITSTAGE_DECODE_THREADS, else 2 (PIL decodes off the GIL)."""
+    value = os.environ.get("SPLITSTAGE_DECODE_THREADS", "2")
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"SPLITSTAGE_DECODE_THREADS={value!r}: give a whole number >= 1")
+    return int(value)
+
+
+def _write(store: CacheStore, shard: dict, report: ShardReport) -> None:
+    """Write one shard (shard file, then its index entry: the commit); on the writer thread."""
+    info = store.write_shard(shard)
     report.bytes_written += info.nbytes
     report.shards_written += 1
     # Fault injection for tests: SPLITSTAGE_FAULT_KILL_AFTER_SHARDS=N kills this worker for real.

@@ -1,19 +1,110 @@
-"""Stage 2 batch sources: the cache (split mode) or the raw data set (unsplit reference)."""
+"""Stage 2 batch sources: the cache (split mode) or the raw data set (unsplit reference).
+
+Both plan an epoch the same way (`tasks.cache.batch_plan`): global batches within one group of
+same-shaped samples (an aspect bucket), a position per group that survives a change of world
+size or batch size, and a documented tail (`data.buckets.tail`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import collate_samples
-from splitstage.tasks.cache.reader import CacheDataset, epoch_order
+from splitstage.tasks.cache.batch_plan import EpochPlan, Position, group_members, plan_epoch
+from splitstage.tasks.cache.reader import CacheDataset
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.data_index import index_data_set
 
 
-class CachedBatches:
+class PlannedBatches:
+    """What both sources share: the epoch plan over (sorted keys, group of each key)."""
+
+    keys: Sequence[str]
+    groups: np.ndarray
+    stall_seconds: float = 0.0
+
+    def __init__(self, config: SplitstageConfig, rank: int, world_size: int):
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self._plans: dict[tuple[int, str], EpochPlan] = {}
+
+    @property
+    def tail(self) -> str:
+        """What a group's last partial global batch does: 'drop' or 'repeat'."""
+        return self.config.data.buckets.tail
+
+    def plan(self, epoch: int, position: Position | None = 0) -> EpochPlan:
+        """The global batches left in `epoch` after `position` (memoized: all ranks agree)."""
+        memo = (epoch, repr(position))
+        if memo not in self._plans:
+            if len(self._plans) >= 4:  # a few epochs' plans at a time (1M samples: ~1 s each)
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[memo] = plan_epoch(
+                self.groups,
+                self.keys,
+                epoch=epoch,
+                seed=self.config.job.seed,
+                replicas=self.world_size,
+                batch_size=self.config.train.batch_size,
+                position=position,
+                tail=self.tail,
+            )
+        return self._plans[memo]
+
+    def steps_per_epoch(self, position: Position | None = 0) -> int:
+        """Batches per rank left in an epoch after `position` (the same on every rank and in
+        every epoch: only group sizes count)."""
+        return len(self.plan(0, position).batches)
+
+    def position_after(self, epoch: int, position: Position | None, steps: int) -> Position:
+        """The epoch position after `steps` batches per rank from `position`."""
+        return self.plan(epoch, position).position_after(steps)
+
+    def tail_cost(self) -> dict[str, int]:
+        """Per epoch: samples no batch holds (drop) and samples held twice (repeat)."""
+        plan = self.plan(0, 0)
+        return {"groups": len(plan.group_names), "dropped": plan.dropped, "repeated": plan.repeated}
+
+    def tail_line(self) -> str:
+        """One line: the sample groups (aspect buckets) and what their tails cost per epoch."""
+        groups, cost = self.group_labels(), self.tail_cost()
+        shown = ", ".join(f"{label}: {n}" for label, n in list(groups.items())[:8])
+        more = f", ... ({len(groups)} in all)" if len(groups) > 8 else ""
+        return (
+            f"buckets {shown}{more}; tail {self.tail}: {cost['dropped']} samples dropped and "
+            f"{cost['repeated']} repeated per epoch"
+        )
+
+    def group_labels(self) -> dict[str, int]:
+        """Samples per group, by a readable label."""
+        raise NotImplementedError
+
+    def rank_keys(self, epoch: int, position: Position | None) -> LazyBatches:
+        """This rank's batches of sample keys for the rest of `epoch` (made as they are read)."""
+        return LazyBatches(self.keys, self.plan(epoch, position), self.rank)
+
+
+class LazyBatches(Sequence[list[str]]):
+    """A rank's batches of sample keys, each built when indexed (no str per sample up front)."""
+
+    def __init__(self, keys: Sequence[str], plan: EpochPlan, rank: int):
+        self.keys, self.plan, self.rank = keys, plan, rank
+
+    def __len__(self) -> int:
+        return len(self.plan.batches)
+
+    def __getitem__(self, step):
+        if isinstance(step, slice):
+            return [self[i] for i in range(*step.indices(len(self)))]
+        return [self.keys[int(i)] for i in self.plan.rank_batch(step, self.rank)]
+
+
+class CachedBatches(PlannedBatches):
     """Batches of boundary params read from the stage-1 cache with background prefetch."""
 
     def __init__(
@@ -24,63 +115,56 @@ class CachedBatches:
         world_size: int,
         keys: list[str] | None = None,
     ):
+        super().__init__(config, rank, world_size)
         if keys is None:  # the samples of the last whole preprocess run
             manifest = store.read_manifest()
             keys = manifest.get("samples") if manifest else None
         self.dataset = CacheDataset(store, keys)
-        self.config = config
-        self.rank, self.world_size = rank, world_size
-
-    def steps_per_epoch(self, offset: int = 0) -> int:
-        """Full batches per rank in an epoch after `offset` samples (the same on every rank)."""
-        per_rank = max(0, len(self.dataset) - offset) // self.world_size
-        return per_rank // self.config.train.batch_size
+        self.keys = self.dataset.keys
+        self.groups = np.asarray(self.dataset.groups)
 
     @property
     def stall_seconds(self) -> float:
         """Seconds the training loop waited for the cache."""
         return self.dataset.stall_seconds
 
-    def iterate(self, epoch: int, offset: int = 0) -> Iterator[dict[str, Any]]:
-        """This rank's batches of `epoch` after the first `offset` samples (all ranks')."""
-        batches = self.dataset.iterate(
-            epoch,
-            self.config.job.seed,
-            self.rank,
-            self.world_size,
-            self.config.train.batch_size,
-            prefetch=self.config.train.prefetch,
-            offset=offset,
+    def group_labels(self) -> dict[str, int]:
+        """Samples per group, by the group's readable label (e.g. its latent shape)."""
+        labels = self.dataset.group_labels
+        return {labels[int(self.groups[m[0]])]: len(m) for m in group_members(self.groups)}
+
+    def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[dict[str, Any]]:
+        """This rank's batches of `epoch` after `position`, prefetched."""
+        return self.dataset.iterate_keys(
+            self.rank_keys(epoch, position), prefetch=self.config.train.prefetch
         )
-        for index, batch in enumerate(batches):
-            if index >= self.steps_per_epoch(offset):
-                break
-            yield batch
 
 
-class RawBatches:
+class RawBatches(PlannedBatches):
     """Batches decoded from the data set every step: what training without a cache reads."""
 
     def __init__(self, config: SplitstageConfig, family: Family, rank: int, world_size: int):
-        self.config = config
+        super().__init__(config, rank, world_size)
         self.family = family
-        self.rank, self.world_size = rank, world_size
         data = index_data_set(config)
         self.rows = dict(zip(data.keys, data.rows))
-        self.stall_seconds = 0.0
+        self.keys = sorted(self.rows)
+        self.groups = self._shape_groups() if family.buckets else np.zeros(len(self.keys), int)
 
-    def steps_per_epoch(self, offset: int = 0) -> int:
-        """Full batches per rank in an epoch after `offset` samples (the same on every rank)."""
-        per_rank = max(0, len(self.rows) - offset) // self.world_size
-        return per_rank // self.config.train.batch_size
+    def _shape_groups(self) -> np.ndarray:
+        """Group of each key by the decoded sample's image size (as the cache groups by shape)."""
+        base, sizes, out = self.config.data.base_path, {}, []
+        for key in self.keys:
+            sample = self.family.load_sample(self.rows[key], base)
+            out.append(sizes.setdefault((sample["height"], sample["width"]), len(sizes)))
+        return np.asarray(out, dtype=np.int64)
 
-    def iterate(self, epoch: int, offset: int = 0) -> Iterator[dict[str, Any]]:
-        """This rank's batches of `epoch` after `offset` samples, in the cache's order."""
-        seed = self.config.job.seed
-        order = epoch_order(list(self.rows), epoch, seed, self.rank, self.world_size, offset)
-        size = self.config.train.batch_size
-        for index in range(self.steps_per_epoch(offset)):
-            keys = order[index * size : (index + 1) * size]
-            base = self.config.data.base_path
-            samples = [self.family.load_sample(self.rows[k], base) for k in keys]
-            yield collate_samples(samples)
+    def group_labels(self) -> dict[str, int]:
+        """Samples per image size."""
+        return {f"group {g}": int(n) for g, n in enumerate(np.bincount(self.groups))}
+
+    def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[dict[str, Any]]:
+        """This rank's batches of `epoch` after `position`, in the cache's order."""
+        base = self.config.data.base_path
+        for keys in self.rank_keys(epoch, position):
+            yield collate_samples([self.family.load_sample(self.rows[k], base) for k in keys])

@@ -38,6 +38,7 @@ class TrainReport:
     seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
     stall_seconds: float = 0.0
+    tail: dict[str, int] = field(default_factory=dict)  # per epoch: groups, dropped, repeated
     world_size: int = 1
     mode: str = "split"
     parallelism: str = "none"
@@ -70,9 +71,9 @@ def write_spec(
     """The JSON every rank reads (no pickle): config, cache key, where to write, what to train."""
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_file = None
-    if checks is not None and checks.samples is not None:
-        samples_file = str((run_dir / "samples.json").resolve())
-        Path(samples_file).write_text(json.dumps(checks.samples))
+    if checks is not None and checks.samples is not None:  # compact: 32 bytes a sample key
+        samples_file = str((run_dir / "samples.safetensors").resolve())
+        checks.samples.save(samples_file)
     spec = {
         "config": config.model_dump(mode="json"),
         "cache_key": cache_key,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
@@ -97,6 +96,8 @@ def _width(module: nn.Module) -> int:
 
 def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.Module:
     """Inject LoRA adapters (peft) into the target modules; only the adapters train."""
+    from peft import LoraConfig, inject_adapter_in_model  # 2-4 s of imports (transformers)
+
     trainable = config.trainable
     targets = family.lora_targets(trainable.lora_base_model)
     check_lora_targets(model, trainable.lora_base_model, targets, trainable.lora_rank)

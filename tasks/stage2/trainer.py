@@ -10,7 +10,6 @@ import json
 import math
 import os
 import resource
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,15 @@ from accelerate import Accelerator
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import UserError
+from splitstage.tasks.cache.batch_plan import Position
+from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.device import pick_dtype
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from splitstage.tasks.stage2.distributed import DistInfo, init_distributed
 from splitstage.tasks.stage2.export import export_weights
+from splitstage.tasks.stage2.faults import crash, injected_fault
 from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
 from splitstage.tasks.stage2.tracking import Tracking, tracker_names
 from splitstage.tasks.stage2.validation import Validator
@@ -37,9 +39,12 @@ class TrainingDivergedError(UserError, FloatingPointError):
     """The loss became NaN or infinite: training stops, nothing non-finite is saved."""
 
 
-def read_samples(path: str | None) -> list[str] | None:
-    """The sample keys a launcher chose to train on (None: the cache's manifest)."""
-    return None if path is None else json.loads(Path(path).read_text())
+def read_samples(path: str | None) -> KeyTable | list[str] | None:
+    """The sample keys a launcher chose to train on (None: the cache's manifest): a compact
+    safetensors key table, or a JSON list from an older launcher."""
+    if path is None:
+        return None
+    return json.loads(Path(path).read_text()) if path.endswith(".json") else KeyTable.load(path)
 
 
 def require_finite(params: list[torch.nn.Parameter], device: torch.device) -> None:
@@ -63,24 +68,6 @@ def step_generator(seed: int, rank: int, batch_index: int, device: torch.device)
     generator = torch.Generator(device=device)
     generator.manual_seed(((seed * 1_000_003 + rank) * 1_000_033 + batch_index) % 2**63)
     return generator
-
-
-def injected_fault() -> tuple[int, int, bool] | None:
-    """SPLITSTAGE_FAULT_KILL=RANK:UPDATE[:node] makes that rank SIGKILL itself after that update,
-    with ':node' its torchrun agent first (the whole node dies). For fault-injection tests: a
-    real crash at a known point, not a simulated one."""
-    value = os.environ.get("SPLITSTAGE_FAULT_KILL")
-    if not value:
-        return None
-    rank, update, *scope = value.split(":")
-    return int(rank), int(update), scope == ["node"]
-
-
-def crash(whole_node: bool) -> None:
-    """Die now, as a power cut would: no cleanup, no checkpoint."""
-    if whole_node:
-        os.kill(os.getppid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def current_rss_mb() -> float:
@@ -166,6 +153,9 @@ class Trainer:
                 f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}"
             )
         self.updates_per_epoch = steps_per_epoch // train.gradient_accumulation_steps
+        self.tail_cost = self.source.tail_cost()
+        if self.tail_cost["groups"] > 1 or self.tail_cost["dropped"] or self.tail_cost["repeated"]:
+            self.log(self.source.tail_line())
         # Samples all data-parallel replicas consume per update: the epoch position advances by it.
         self.samples_per_update = (
             train.gradient_accumulation_steps * train.batch_size * self.stage2.dp_size
@@ -209,7 +199,7 @@ class Trainer:
         return float(value)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def planned_updates(self, update: int, epoch: int, offset: int) -> int:
+    def planned_updates(self, update: int, epoch: int, offset: Position) -> int:
         """The update this run ends at, from a position (train.max_steps caps train.epochs)."""
         accum = self.config.train.gradient_accumulation_steps
         left = (
@@ -219,7 +209,7 @@ class Trainer:
         total = update + left + later
         return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
 
-    def save(self, update: int, epoch: int, offset: int) -> None:
+    def save(self, update: int, epoch: int, offset: Position) -> None:
         """Checkpoint model, optimizer, scheduler and data position (collective)."""
         model = self.stage2.models[self.stage2.trained[0]]
         save_checkpoint(
@@ -240,7 +230,7 @@ class Trainer:
             storage_options=self.spec.get("checkpoint_storage_options"),
         )
 
-    def resume(self) -> tuple[int, int, int]:
+    def resume(self) -> tuple[int, int, Position]:
         """Load the latest complete checkpoint, if any; return the position to continue from:
         (update, epoch, samples of the epoch consumed by all replicas)."""
         options = self.spec.get("checkpoint_storage_options")
@@ -256,8 +246,9 @@ class Trainer:
         self.losses = list(extra.get("losses", []))
         self.log(f"resumed from checkpoint step {step}")
         update = int(extra["update"])
-        if "offset" in extra:
-            return update, int(extra["epoch"]), int(extra["offset"])
+        if "offset" in extra:  # samples consumed: a count, or per group of sample shapes
+            offset = extra["offset"]
+            return update, int(extra["epoch"]), offset if isinstance(offset, dict) else int(offset)
         epoch, in_epoch = divmod(update, self.updates_per_epoch)  # written before offsets
         return update, epoch, in_epoch * self.samples_per_update
 
@@ -307,7 +298,8 @@ class Trainer:
             if left == 0:
                 epoch, offset = epoch + 1, 0
                 continue
-            for micro, batch in enumerate(self.source.iterate(epoch, offset)):
+            start = offset
+            for micro, batch in enumerate(self.source.iterate(epoch, start)):
                 if micro % accum == 0:
                     t0 = time.perf_counter()
                 batch_index = update * accum + micro % accum
@@ -320,7 +312,7 @@ class Trainer:
                     continue
                 self.scheduler.step()
                 update += 1
-                this_epoch, offset = epoch, offset + self.samples_per_update
+                this_epoch, offset = epoch, self.source.position_after(epoch, start, micro + 1)
                 epoch_done = (micro + 1) // accum >= left
                 if epoch_done:
                     epoch, offset = epoch + 1, 0
@@ -351,6 +343,7 @@ class Trainer:
             "seconds": elapsed,
             "step_seconds": self.step_seconds,
             "stall_seconds": self.source.stall_seconds,
+            "tail": self.tail_cost,
             "world_size": self.dist.world_size,
             "mode": self.config.train.mode,
             "parallelism": self.stage2.mode,

@@ -16,7 +16,6 @@ from pathlib import Path
 from splitstage.splitter import UserError
 from splitstage.tasks.outputs import ERROR_FILE
 from splitstage.tasks.stage2.distributed import close_distributed
-from splitstage.tasks.stage2.pp_trainer import PipelineTrainer
 from splitstage.tasks.stage2.trainer import Trainer
 
 
@@ -37,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     """Train one rank to the end of the run the spec file describes."""
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
-    pipelined = spec["config"]["train"]["parallelism"] == "pp"
-    trainer_cls = PipelineTrainer if pipelined else Trainer
+    trainer_cls = Trainer
+    if spec["config"]["train"]["parallelism"] == "pp":  # torch's pipelining: ~1 s of imports
+        from splitstage.tasks.stage2.pp_trainer import PipelineTrainer as trainer_cls
     try:
         trainer_cls(spec).run()
     except UserError as error:

@@ -191,7 +191,7 @@ def test_damage_a_listing_cannot_see_is_repaired_by_verify_then_preprocess(damag
         says = "fails its checksum"
     else:
         entry = json.loads(index.read_text())
-        spec = next(iter(entry["samples"].values()))["input_latents"]
+        spec = entry["specs"][next(iter(entry["samples"].values()))]["input_latents"]
         spec["shape"] = spec["shape"][::-1] + [1]
         index.write_text(json.dumps(entry))
         says = "disagrees with its index entry"

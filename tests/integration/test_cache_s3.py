@@ -44,6 +44,30 @@ def test_round_trip_on_s3(s3_bucket):
     assert reader.read_manifest() == {"shards": 2}
 
 
+def test_index_snapshot_on_s3(s3_bucket, monkeypatch):
+    url, options = s3_bucket
+    store = CacheStore(url, "ck", options)
+    store.write_shards([make_samples([1, 2]), make_samples([3])])
+    assert store.write_index_snapshot() == 2
+    reads: list[str] = []
+    real = CacheStore._scan
+    monkeypatch.setattr(
+        CacheStore, "_scan", lambda self, paths: reads.extend(paths) or real(self, paths)
+    )
+    assert CacheStore(url, "ck", options).committed_keys() == {key_of(i) for i in (1, 2, 3)}
+    assert reads == []  # every entry's ETag matched: none read
+    added = store.write_shard(make_samples([4]))
+    assert len(CacheStore(url, "ck", options).key_table()) == 4
+    assert [p.rsplit("/", 1)[-1] for p in reads] == [f"{added.shard_id}.json"]
+    store.write_index_snapshot()  # now holds the added entry too
+    path = f"{store.root}/index/{added.shard_id}.json"
+    entry = store.fs.cat_file(path)
+    store.fs.pipe_file(path, entry.replace(b'"format":2', b'"format": 2'))  # a new ETag
+    reads.clear()
+    assert len(CacheStore(url, "ck", options).key_table()) == 4
+    assert len(reads) == 1 + 3  # that entry (other bytes), then every entry: never stale
+
+
 def test_credentials_from_env_and_endpoint_env(s3_bucket, s3_endpoint, monkeypatch):
     url, options = s3_bucket
     CacheStore(url, "ck", options).write_shard(make_samples([1]))

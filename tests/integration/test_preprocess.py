@@ -21,6 +21,7 @@ from splitstage.pipelines.data import DataError
 from splitstage.pipelines.demo.family import DemoFamily
 from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.data_index import index_data_set
 from splitstage.tasks.plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
@@ -64,10 +65,22 @@ def cached(config) -> dict:
     return store.read_samples(sorted(store.committed_keys()))
 
 
-def test_rerun_computes_nothing_and_only_boundary_params_are_stored(assets, tmp_path):
+def assert_index_from_snapshot(config, monkeypatch, samples: int = 24) -> None:
+    """A fresh store loads the index from the coordinator's snapshot: it reads no index entry."""
+    reads: list[str] = []
+    real = CacheStore._scan
+    with monkeypatch.context() as m:
+        m.setattr(CacheStore, "_scan", lambda self, paths: reads.extend(paths) or real(self, paths))
+        assert len(open_cache(config, make_plan(config)).key_table()) == samples
+    assert reads == []
+
+
+def test_rerun_computes_nothing_and_only_boundary_params_are_stored(assets, tmp_path, monkeypatch):
     config = make_config(assets, tmp_path)
     first = preprocess(config, workers=1, progress=False)
+    assert_index_from_snapshot(config, monkeypatch)
     again = preprocess(config, workers=1, progress=False)
+    assert_index_from_snapshot(config, monkeypatch)
     assert (first.computed, first.reused, first.shards_written) == (24, 0, 3)
     assert (again.computed, again.reused, again.bytes_written) == (0, 24, 0)
     sample = next(iter(cached(config).values()))
@@ -185,6 +198,7 @@ def test_cache_on_s3(assets, tmp_path, s3_bucket, monkeypatch):
         assets, tmp_path, cache={"url": url, "storage_options": {"endpoint_url": endpoint}}
     )
     assert preprocess(config, workers=2, progress=False).computed == 24
+    assert_index_from_snapshot(config, monkeypatch)  # stamps from S3 listings (ETags)
     assert preprocess(config, workers=1, progress=False).computed == 0
     assert len(cached(config)) == 24
 

@@ -153,10 +153,10 @@ def test_index_entry_lists_specs_and_checksum(tmp_path):
     store = CacheStore(str(tmp_path), "ck")
     info = store.write_shard(make_samples([3]))
     entry = json.loads((tmp_path / "ck" / "index" / f"{info.shard_id}.json").read_text())
-    assert entry["format"] == 1 and entry["shard"] == info.path
+    assert entry["format"] == 2 and entry["shard"] == info.path
     assert entry["bytes"] == info.nbytes and entry["sha256"] == info.sha256
     assert info.sha256.startswith(info.shard_id)
-    params = entry["samples"][key_of(3)]
+    params = entry["specs"][entry["samples"][key_of(3)]]
     assert params["latents"] == {"dtype": "bfloat16", "shape": [1, 4, 2, 2]}
     assert params["prompt"] == "json" and params["height"] == "json"
     assert not list((tmp_path / "ck").rglob("*.tmp-*"))
@@ -363,7 +363,8 @@ def test_manifest_round_trip(cache_url):
     assert store.read_manifest() is None
     manifest = {"cache_key": "ck", "samples": [key_of(1)], "params": ["a", "b"]}
     store.write_manifest(manifest)
-    assert CacheStore(cache_url, "ck").read_manifest() == manifest
+    read = CacheStore(cache_url, "ck").read_manifest()  # samples: a compact KeyTable
+    assert {**read, "samples": list(read["samples"])} == manifest
     path = f"{store.root}/manifest.json"
     for garbage in (b"{not json", b"[1, 2]", b'{"samples": 3}', b'{"samples": ["../x"]}', b"null"):
         store.fs.pipe_file(path, garbage)
@@ -507,7 +508,7 @@ def test_tensors_unlike_their_index_entry_are_never_returned(cache_url):
     info = store.write_shard(make_samples([1]))
     path = f"{store.root}/index/{info.shard_id}.json"
     entry = json.loads(store.fs.cat_file(path))
-    entry["samples"][key_of(1)]["latents"]["shape"] = [4, 1, 2, 2]  # checksum still matches
+    entry["specs"][entry["samples"][key_of(1)]]["latents"]["shape"] = [4, 1, 2, 2]  # sha still ok
     store.fs.pipe_file(path, json.dumps(entry).encode())
     reader = CacheStore(cache_url, "ck")
     with pytest.raises(CacheCorruptError, match=r"disagrees with its index.*says bfloat16 \[4, 1"):
@@ -539,7 +540,7 @@ def test_bad_param_specs_in_an_index_entry_are_damage(cache_url):
     path = f"{store.root}/index/{info.shard_id}.json"
     entry = json.loads(store.fs.cat_file(path))
     for bad in ({"dtype": "float32", "shape": [-1]}, "text", {"shape": [1]}, None):
-        entry["samples"][key_of(1)]["latents"] = bad
+        entry["specs"][entry["samples"][key_of(1)]]["latents"] = bad
         store.fs.pipe_file(path, json.dumps(entry).encode())
         with pytest.raises(CacheCorruptError, match="bad entry for sample"):
             CacheStore(cache_url, "ck").committed_keys()

@@ -1,0 +1,109 @@
+"""Aspect-ratio buckets: the `[data.buckets]` settings and which bucket a source image goes to.
+
+As kohya's and SimpleTuner's buckets do: a list of (height, width) sizes of about the same area
+(`area`, default the family's square resolution squared), both sides multiples of `step` within
+`min_side`..`max_side` and no more elongated than `max_aspect`; an image goes to the bucket whose
+aspect ratio is nearest its own (in log space), is scaled to cover it and center-cropped. The
+settings that change stage-1 outputs are part of the cache key; `tail` is a stage-2 setting.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from splitstage.pipelines.config_base import Group
+
+TAILS = ("drop", "repeat")
+
+
+class BucketConfig(Group):
+    """`[data.buckets]`: keep aspect ratios by training each image at its nearest bucket size."""
+
+    enabled: bool = Field(False, description="Off: every image is center-cropped to a square.")
+    area: int | None = Field(
+        None, ge=64, description="Target pixels per image; default: the family's resolution^2."
+    )
+    step: int = Field(64, ge=8, le=1024, description="Bucket sides are multiples of this.")
+    min_side: int | None = Field(None, ge=8, description="Smallest side; default: step.")
+    max_side: int | None = Field(None, ge=8, description="Largest side; default: 4 x sqrt(area).")
+    max_aspect: float = Field(4.0, ge=1.0, le=16.0, description="Longest / shortest side bound.")
+    tail: Literal["drop", "repeat"] = Field(
+        "drop",
+        description="Stage 2: a bucket's last partial global batch is dropped this epoch "
+        "(different samples each epoch) or filled by repeating that bucket's first samples.",
+    )
+
+    @model_validator(mode="after")
+    def _sides(self) -> BucketConfig:
+        if self.min_side is not None and self.min_side % self.step:
+            raise ValueError(f"min_side {self.min_side} is not a multiple of step {self.step}")
+        if self.max_side is not None and self.max_side % self.step:
+            raise ValueError(f"max_side {self.max_side} is not a multiple of step {self.step}")
+        if self.min_side and self.max_side and self.min_side > self.max_side:
+            raise ValueError(f"min_side {self.min_side} is larger than max_side {self.max_side}")
+        return self
+
+    def stage1_settings(self) -> dict | None:
+        """What the cache key takes (None when buckets are off, so square caches keep keys)."""
+        if not self.enabled:
+            return None
+        return self.model_dump(exclude={"enabled", "tail"})
+
+
+class BucketError(ValueError):
+    """Bucket settings that give no usable bucket for the family."""
+
+
+class Buckets:
+    """The bucket sizes for one job and the assignment of source sizes to them."""
+
+    def __init__(self, config: BucketConfig, resolution: int, multiple: int):
+        if config.step % multiple:
+            raise BucketError(
+                f"data.buckets.step: {config.step} is not a multiple of {multiple}, which this "
+                f"family's image sides must be; use {-(-config.step // multiple) * multiple}"
+            )
+        self.config = config
+        self.area = config.area or resolution * resolution
+        self.min_side = config.min_side or config.step
+        self.max_side = config.max_side or _round_down(4 * math.isqrt(self.area), config.step)
+        if not self.sizes:
+            raise BucketError(
+                f"data.buckets: no bucket of about {self.area} pixels has both sides in "
+                f"{self.min_side}..{self.max_side} (multiples of {config.step}) and aspect <= "
+                f"{config.max_aspect}; widen min_side/max_side or lower step"
+            )
+
+    @cached_property
+    def sizes(self) -> list[tuple[int, int]]:
+        """Every bucket (height, width), sorted by aspect ratio (height / width) then area."""
+        step, found = self.config.step, set()
+        for width in range(self.min_side, self.max_side + 1, step):
+            height = min(self.max_side, _round_down(self.area // width, step))
+            for h, w in ((height, width), (width, height)):
+                if min(h, w) >= self.min_side and max(h, w) / min(h, w) <= self.config.max_aspect:
+                    found.add((h, w))
+        return sorted(found, key=lambda hw: (hw[0] / hw[1], -hw[0] * hw[1]))
+
+    def size_for(self, source_height: int, source_width: int) -> tuple[int, int]:
+        """The bucket (height, width) of a source image: nearest aspect ratio, then larger area."""
+        if source_height < 1 or source_width < 1:
+            raise ValueError(f"image size {source_height}x{source_width} has no aspect ratio")
+        target = math.log(source_height / source_width)
+        return min(
+            self.sizes, key=lambda hw: (abs(math.log(hw[0] / hw[1]) - target), -hw[0] * hw[1])
+        )
+
+
+def _round_down(value: int, step: int) -> int:
+    return value // step * step
+
+
+def label(height: int, width: int) -> str:
+    """'768x512' (height x width), how buckets are named in logs and stats."""
+    return f"{height}x{width}"

@@ -1,0 +1,187 @@
+"""DiffSynth units on the seam: each runs through DiffSynth's own `pipe.unit_runner`, per sample.
+
+splitstage's runtime hands a unit its declared params (flat, per batch) and keeps exactly its
+declared outputs. DiffSynth's runner works on three dicts per sample (shared / posi / nega) and
+lets units take over all three or return nothing for absent inputs. A `Session` keeps those three
+dicts per sample across the units of one pass (V2 in stage 1, V1 in stage 2), seeded with the
+training inputs DiffSynth's train.py sets and with every param the runtime hands in; each unit's
+declared outputs are read back from the session (an output a unit did not write keeps its value).
+
+Values cross into the flat batch as one entry per sample (`split_batch` indexes lists), encoded
+for our cache: a list of tensors (Z-Image's `prompt_embeds`) becomes one stacked tensor, which
+`decode` turns back into a list for the params in `TENSOR_LISTS`; plain values stay JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splitstage.pipelines.runtime import RunnableUnit, StepContext, UnitRunError
+from splitstage.splitter import Unit
+
+# Params a pipeline produces as a list of per-image tensors (cached stacked, decoded to a list).
+TENSOR_LISTS = {
+    "ZImagePipeline": frozenset({"prompt_embeds", "image_embeds", "image_latents"}),
+    "WanVideoPipeline": frozenset(),
+}
+
+
+@dataclass
+class Triple:
+    """DiffSynth's inputs of one sample: shared, posi and nega dicts."""
+
+    shared: dict[str, Any]
+    posi: dict[str, Any] = field(default_factory=dict)
+    nega: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str) -> Any:
+        """A param as DiffSynth's losses see it: posi over shared (`**shared, **posi`)."""
+        return self.posi[name] if name in self.posi else self.shared.get(name)
+
+    def has(self, name: str) -> bool:
+        """Whether some unit (or the data) set `name`."""
+        return name in self.posi or name in self.shared
+
+
+class Session:
+    """The per-sample triples of one pass over a pipeline's units."""
+
+    def __init__(self, constants: Mapping[str, Any]):
+        self.constants = dict(constants)
+        self.triples: list[Triple] = []
+        self.last_index = -1
+        self.ctx: StepContext | None = None  # the step the triples belong to
+
+    def begin(self, ctx: StepContext, index: int, count: int) -> list[Triple]:
+        """The triples for unit `index`; a new step, or a unit at or before the last one,
+        starts a new pass."""
+        fresh = ctx is not self.ctx or index <= self.last_index or len(self.triples) != count
+        if fresh:
+            self.triples = [Triple(dict(self.constants)) for _ in range(count)]
+        self.ctx, self.last_index = ctx, index
+        return self.triples
+
+    def of(self, ctx: StepContext, count: int) -> list[Triple] | None:
+        """The triples this step's units left (None when no unit ran in this step)."""
+        return self.triples if ctx is self.ctx and len(self.triples) == count else None
+
+
+def batch_size(values: Mapping[str, Any]) -> int:
+    """Samples in a flat batch: the length of its per-sample lists / first dims (1 if none)."""
+    for value in values.values():
+        if isinstance(value, torch.Tensor) and value.ndim:
+            return value.shape[0]
+        if isinstance(value, list):
+            return len(value)
+    return 1
+
+
+def pick(value: Any, index: int, count: int) -> Any:
+    """Sample `index` of a flat batch value (tensors and lists by position, others as they are)."""
+    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == count:
+        return value[index]
+    if isinstance(value, list | tuple) and len(value) == count:
+        return value[index]
+    return value
+
+
+def decode(name: str, value: Any, lists: frozenset[str]) -> Any:
+    """A cached per-sample value as DiffSynth made it: batch dim back, lists of tensors back."""
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0)) if name in lists else value.unsqueeze(0)
+    return value
+
+
+def encode(name: str, value: Any, unit: str, lists: frozenset[str]) -> Any:
+    """One sample's DiffSynth value in our batch form (tensors lose their batch dim of 1)."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0 or value.shape[0] != 1:
+            raise UnitRunError(
+                f"unit '{unit}' wrote '{name}' with shape {tuple(value.shape)}: splitstage caches "
+                "DiffSynth tensors of one sample (first dimension 1)"
+            )
+        return value[0]
+    if isinstance(value, list | tuple) and value and all(torch.is_tensor(v) for v in value):
+        if name not in lists:
+            raise UnitRunError(
+                f"unit '{unit}' wrote '{name}' as a list of tensors, which this pipeline's "
+                "cache layout does not know; add it to units.TENSOR_LISTS"
+            )
+        return torch.stack(list(value))
+    return value
+
+
+class DiffSynthUnits:
+    """The seam's units for one DiffSynth pipeline object (its `.units`, in order)."""
+
+    def __init__(
+        self,
+        units: Sequence[Any],
+        specs: Sequence[Unit],
+        constants: Mapping[str, Any],
+        loaded: Callable[[], Any],
+        pipeline_class: str,
+    ):
+        self.units = list(units)
+        self.specs = list(specs)
+        self.session = Session(constants)
+        self.loaded = loaded  # the pipeline with its models, loaded on first use
+        self.lists = TENSOR_LISTS.get(pipeline_class, frozenset())
+
+    def runnable(self) -> list[RunnableUnit]:
+        """One RunnableUnit per DiffSynth unit, its declaration as the splitter reads it."""
+        return [
+            RunnableUnit(spec, self._process(index, unit, spec))
+            for index, (unit, spec) in enumerate(zip(self.units, self.specs))
+        ]
+
+    def seed(self, triple: Triple, unit: Any, spec: Unit, values: Mapping[str, Any]) -> None:
+        """Put the params the runtime handed in (data or earlier passes) into a triple."""
+        posi = dict(getattr(unit, "input_params_posi", None) or {})
+        for argument, value in values.items():
+            if argument in posi:
+                name = posi[argument]
+                if not triple.has(name):
+                    triple.posi[name] = decode(name, value, self.lists)
+            elif not triple.has(argument):
+                triple.shared[argument] = decode(argument, value, self.lists)
+
+    def _process(self, index: int, unit: Any, spec: Unit):
+        def process(ctx: StepContext, **values: Any) -> dict[str, Any]:
+            count = batch_size(values) if values else len(self.session.triples) or 1
+            triples = self.session.begin(ctx, index, count)
+            outputs: dict[str, list[Any]] = {name: [] for name in spec.output_params}
+            pipe = self.loaded()
+            for i, triple in enumerate(triples):
+                self.seed(triple, unit, spec, {k: pick(v, i, count) for k, v in values.items()})
+                shared, posi, nega = pipe.unit_runner(
+                    unit, pipe, triple.shared, triple.posi, triple.nega
+                )
+                triple.shared, triple.posi, triple.nega = shared, posi, nega
+                for name in outputs:
+                    value = triple.get(name)
+                    outputs[name].append(encode(name, value, spec.name, self.lists))
+            return outputs
+
+        return process
+
+
+def loss_inputs(
+    session: Session, ctx: StepContext, inputs: Mapping[str, Any], lists: frozenset[str]
+) -> list[dict[str, Any]]:
+    """Per sample, what DiffSynth's loss gets (`**shared, **posi`): the batch's params decoded,
+    over the session's (V1 units' writes), without the params no unit set (None)."""
+    count = batch_size(inputs)
+    triples = session.of(ctx, count)
+    samples = []
+    for i in range(count):
+        values = {k: decode(k, pick(v, i, count), lists) for k, v in inputs.items()}
+        if triples is not None:
+            values = {**values, **triples[i].shared, **triples[i].posi}
+        values = {**session.constants, **values}
+        samples.append({k: v for k, v in values.items() if v is not None})
+    return samples

@@ -1,0 +1,279 @@
+"""Tiny random DiffSynth-Studio models and offline tokenizers, for the diffsynth family's tests.
+
+Z-Image (ZImageDiT, a small Qwen3 text encoder, small FLUX VAE encoder/decoder) and Wan 2.1
+text-to-video (WanModel, WanTextEncoder, a small Wan VAE), written as safetensors files that
+DiffSynth's own loader reads. The small classes reuse DiffSynth's blocks; units hard-code 16 latent
+channels and an 8x downsample, which the VAEs keep. `register_entries(...)` gives the
+`[pipeline] register_models` entries (the hash is computed by DiffSynth from the file). Needs
+diffsynth installed (the side environment, see README "DiffSynth-Studio pipelines").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffsynth.models.flux_vae import DownSampler, FluxVAEDecoder, FluxVAEEncoder, ResnetBlock
+from diffsynth.models.flux_vae import UpSampler as FluxUpSampler
+from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
+from diffsynth.models.z_image_text_encoder import ZImageTextEncoder
+from safetensors.torch import save_file
+
+from splitstage.tiny_diffusers import t5_tokenizer
+
+MODULE = "splitstage.tiny_diffsynth"
+TEXT_DIM = 32
+VAE_DIM = 32
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class TinyZImageTextEncoder(ZImageTextEncoder):
+    """ZImageTextEncoder around a 2-layer Qwen3 of width 32 (hidden_states[-2] is read)."""
+
+    def __init__(self, vocab_size: int = 300):
+        torch.nn.Module.__init__(self)
+        from transformers import Qwen3Config, Qwen3Model
+
+        config = Qwen3Config(
+            hidden_size=TEXT_DIM,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=vocab_size,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+        self.model = Qwen3Model(config)
+
+
+class TinyFluxVAEEncoder(FluxVAEEncoder):
+    """FluxVAEEncoder with 32 channels: 3 downsamplings (8x), 32 -> 16 latent channels."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.scaling_factor, self.shift_factor = 0.3611, 0.1159
+        self.conv_in = torch.nn.Conv2d(3, VAE_DIM, kernel_size=3, padding=1)
+        blocks = [ResnetBlock(VAE_DIM, VAE_DIM, eps=1e-6)]
+        for _ in range(3):
+            blocks.append(DownSampler(VAE_DIM, padding=0, extra_padding=True))
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.conv_norm_out = torch.nn.GroupNorm(num_channels=VAE_DIM, num_groups=32, eps=1e-6)
+        self.conv_act = torch.nn.SiLU()
+        self.conv_out = torch.nn.Conv2d(VAE_DIM, 32, kernel_size=3, padding=1)
+
+
+class TinyFluxVAEDecoder(FluxVAEDecoder):
+    """FluxVAEDecoder with 32 channels: 16 latent channels, 3 upsamplings (8x)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.scaling_factor, self.shift_factor = 0.3611, 0.1159
+        self.conv_in = torch.nn.Conv2d(16, VAE_DIM, kernel_size=3, padding=1)
+        blocks = [ResnetBlock(VAE_DIM, VAE_DIM, eps=1e-6)]
+        for _ in range(3):
+            blocks.append(FluxUpSampler(VAE_DIM))
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.conv_norm_out = torch.nn.GroupNorm(num_channels=VAE_DIM, num_groups=32, eps=1e-6)
+        self.conv_act = torch.nn.SiLU()
+        self.conv_out = torch.nn.Conv2d(VAE_DIM, 3, kernel_size=3, padding=1)
+
+
+class TinyWanVideoVAE(WanVideoVAE):
+    """WanVideoVAE whose VideoVAE_ has width 8 and one residual block per level."""
+
+    def __init__(self, z_dim: int = 16):
+        torch.nn.Module.__init__(self)
+        mean = torch.linspace(-0.5, 0.5, z_dim)
+        std = torch.linspace(1.0, 2.0, z_dim)
+        self.mean, self.std = mean, std
+        self.scale = [self.mean, 1.0 / self.std]
+        self.model = VideoVAE_(dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+        self.model.requires_grad_(False)
+        self.upsampling_factor = 8
+        self.z_dim = z_dim
+
+
+# Per model: (DiffSynth model_name, class path, constructor kwargs, file name).
+ZIMAGE_MODELS = {
+    "dit": (
+        "z_image_dit",
+        "diffsynth.models.z_image_dit.ZImageDiT",
+        {
+            "dim": 64,
+            "n_layers": 1,
+            "n_refiner_layers": 1,
+            "n_heads": 2,
+            "n_kv_heads": 2,
+            "cap_feat_dim": TEXT_DIM,
+            "axes_dims": [8, 12, 12],
+            "axes_lens": [1024, 64, 64],
+        },
+        "dit.safetensors",
+    ),
+    "text_encoder": (
+        "z_image_text_encoder",
+        f"{MODULE}.TinyZImageTextEncoder",
+        {},
+        "text_encoder.safetensors",
+    ),
+    "vae_encoder": (
+        "flux_vae_encoder",
+        f"{MODULE}.TinyFluxVAEEncoder",
+        {},
+        "vae_encoder.safetensors",
+    ),
+    "vae_decoder": (
+        "flux_vae_decoder",
+        f"{MODULE}.TinyFluxVAEDecoder",
+        {},
+        "vae_decoder.safetensors",
+    ),
+}
+WAN_MODELS = {
+    "dit": (
+        "wan_video_dit",
+        "diffsynth.models.wan_video_dit.WanModel",
+        {
+            "dim": 48,
+            "in_dim": 16,
+            "ffn_dim": 64,
+            "out_dim": 16,
+            "text_dim": TEXT_DIM,
+            "freq_dim": 32,
+            "eps": 1e-6,
+            "patch_size": [1, 2, 2],
+            "num_heads": 2,
+            "num_layers": 1,
+            "has_image_input": False,
+        },
+        "dit.safetensors",
+    ),
+    "text_encoder": (
+        "wan_video_text_encoder",
+        "diffsynth.models.wan_video_text_encoder.WanTextEncoder",
+        {
+            "vocab": 200,
+            "dim": TEXT_DIM,
+            "dim_attn": TEXT_DIM,
+            "dim_ffn": 64,
+            "num_heads": 2,
+            "num_layers": 1,
+            "num_buckets": 8,
+        },
+        "text_encoder.safetensors",
+    ),
+    "vae": ("wan_video_vae", f"{MODULE}.TinyWanVideoVAE", {}, "vae.safetensors"),
+}
+MODELS = {"ZImagePipeline": ZIMAGE_MODELS, "WanVideoPipeline": WAN_MODELS}
+
+
+def _class(path: str) -> type:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@contextmanager
+def nan_filled_empty() -> Iterator[None]:
+    """`torch.empty` returns NaN (torch's deterministic mode fills uninitialized memory), so a
+    tensor a constructor never initializes is recognizable instead of holding stale memory."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def build_initialized(cls: type, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """`cls(**kwargs)` with every tensor defined: what the constructor leaves uninitialized
+    (ZImageDiT's `x_pad_token` / `cap_pad_token` are `nn.Parameter(torch.empty(...))`, learned in
+    real checkpoints) is drawn from N(0, 0.02) with the global RNG (seeded by the caller). Stale
+    memory there made the written file differ per run, up to 1e38: Z-Image's bf16 backward then
+    overflowed in RMSNorm and training went NaN on and off."""
+    with nan_filled_empty():
+        model = cls(**kwargs)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point() and torch.isnan(tensor).any():
+                tensor.copy_(torch.randn(tensor.shape) * 0.02)
+    return model
+
+
+def check_finite(state: dict[str, torch.Tensor], file_name: str) -> None:
+    """Refuse to write a tiny model holding NaN / inf (its tests would be meaningless)."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()]
+    if bad:
+        raise ValueError(f"{file_name}: non-finite values in {', '.join(sorted(bad))}")
+
+
+def zimage_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer (Qwen-style specials, a chat template) saved to `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from splitstage.tiny_diffusers import _byte_symbols
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {s: i for i, s in enumerate(_byte_symbols())}
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+        model_max_length=1024,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def wan_tokenizer(folder: Path) -> Path:
+    """The tiny T5 (Unigram) tokenizer, saved where Wan's HuggingfaceTokenizer loads it."""
+    t5_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_tiny_models(pipeline_class: str, folder: str | Path, *, seed: int = 0) -> dict[str, Any]:
+    """Write the tiny models of `pipeline_class` and its tokenizer under `folder`; returns
+    {"model_paths": [...], "tokenizer_path": ..., "register_models": [...]} for `[pipeline]`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    entries, paths = [], []
+    for model_name, class_path, kwargs, file_name in MODELS[pipeline_class].values():
+        model = build_initialized(_class(class_path), kwargs)
+        with torch.no_grad():  # small weights: the tiny models stay numerically tame
+            for param in model.parameters():
+                param.mul_(0.5)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        check_finite(state, file_name)
+        path = folder / file_name
+        save_file(state, str(path))
+        paths.append(str(path))
+        entries.append(
+            {"path": str(path), "model_name": model_name, "model_class": class_path}
+            | ({"extra_kwargs": kwargs} if kwargs else {})
+        )
+    tokenizer = folder / "tokenizer"
+    (zimage_tokenizer if pipeline_class == "ZImagePipeline" else wan_tokenizer)(tokenizer)
+    (folder / "models.json").write_text(json.dumps(entries, indent=2))
+    return {"model_paths": paths, "tokenizer_path": str(tokenizer), "register_models": entries}

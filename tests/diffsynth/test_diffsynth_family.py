@@ -1,0 +1,217 @@
+"""The diffsynth family end to end with tiny models through DiffSynth-Studio's real loader.
+
+Per pipeline (Z-Image, Wan 2.1 text-to-video): our plan equals DiffSynth's `split_pipeline_units`;
+preprocess -> split training (real torchrun, gloo) -> export; a fresh pipeline `load_lora`s the
+export and its output changes; the first update's loss equals DiffSynth's own unsplit training
+step (its units through its runner, then FlowMatchSFTLoss) on the same sample, seed and timestep.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffsynth.configs.model_configs import MODEL_CONFIGS
+from diffsynth.core import ModelConfig
+from diffsynth.core.loader import hash_model_file
+from diffsynth.diffusion.loss import FlowMatchSFTLoss
+from safetensors.torch import load_file
+
+from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.data import load_metadata
+from splitstage.pipelines.diffsynth_family.loader import pipeline_class
+from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.tasks.plan import make_plan
+from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.distributed import DistInfo
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tasks.stage2.trainer import step_generator
+from splitstage.tiny_diffsynth import nan_filled_empty, write_tiny_models
+
+ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "DIFFSYNTH_SKIP_DOWNLOAD": "True"}
+PIPELINES = {"ZImagePipeline": "bf16", "WanVideoPipeline": "fp32"}
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A captioned data set (2 digits) and the tiny models of each pipeline."""
+    root = tmp_path_factory.mktemp("diffsynth")
+    write_digits_dataset(root / "data", limit=2, size=32)
+    for name in PIPELINES:
+        info = write_tiny_models(name, root / name)
+        (root / name / "info.json").write_text(json.dumps(info))
+    return root
+
+
+@pytest.fixture
+def registered(root):
+    """The tiny models in DiffSynth's MODEL_CONFIGS (hash computed from each file), then out."""
+    added = []
+    for name in PIPELINES:
+        for entry in json.loads((root / name / "info.json").read_text())["register_models"]:
+            fields = {k: v for k, v in entry.items() if k != "path"}
+            added.append({"model_hash": hash_model_file(entry["path"]), **fields})
+    MODEL_CONFIGS.extend(added)
+    yield
+    for entry in added:
+        MODEL_CONFIGS.remove(entry)
+
+
+def job(root: Path, name: str, **train):
+    """A LoRA job on the dit (rank 4, alpha 8), one sample per step."""
+    info = json.loads((root / name / "info.json").read_text())
+    pipeline = {"name": "diffsynth", "pipeline_class": name, "height": 32, "width": 32}
+    pipeline |= {"torch_dtype": PIPELINES[name], **info}
+    return config_from_dict(
+        {
+            "job": {"name": f"{name}-lora", "seed": SEED},
+            "pipeline": pipeline,
+            "trainable": {"lora_base_model": "dit", "lora_rank": 4, "lora_alpha": 8},
+            "data": {"base_path": str(root / "data")},
+            "cache": {"url": str(root / "cache"), "shard_samples": 2},
+            "train": {"batch_size": 1, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3}
+            | train,
+            "output": {"url": str(root / "out"), "remove_prefix_in_ckpt": "pipe.dit."},
+        }
+    )
+
+
+def fresh(name: str, info: dict):
+    """DiffSynth's own pipeline from the same files, in training mode."""
+    pipe = pipeline_class(job_group(name, info)).from_pretrained(
+        torch_dtype=torch.bfloat16 if PIPELINES[name] == "bf16" else torch.float32,
+        device="cpu",
+        model_configs=[ModelConfig(path=p) for p in info["model_paths"]],
+        tokenizer_config=ModelConfig(path=info["tokenizer_path"]),
+    )
+    pipe.scheduler.set_timesteps(1000, training=True)
+    return pipe
+
+
+def job_group(name: str, info: dict):
+    """A stand-in config group naming the pipeline class (for `pipeline_class`)."""
+    return type("Group", (), {"pipeline_class": name})()
+
+
+def reference_loss(config, name: str, info: dict, batch_index: int, key_order: int) -> float:
+    """DiffSynth's unsplit training step: its units over shared/posi/nega, then its loss, with
+    the global RNG seeded as splitstage seeds its own draw for this step."""
+    plan = make_plan(config)
+    family = plan.family
+    rows = load_metadata(config.data.base_path)
+    sample = family.load_sample(rows[key_order], config.data.base_path)
+    posi = {"prompt": sample.pop("prompt")}
+    nega = {"negative_prompt": sample.pop("negative_prompt")}
+    shared = {k: v for k, v in sample.items() if v is not None}
+    pipe = fresh(name, info)
+    inputs = (shared, posi, nega)
+    with torch.no_grad():
+        for unit in pipe.units:
+            inputs = pipe.unit_runner(unit, pipe, *inputs)
+    generator = step_generator(SEED, 0, batch_index, torch.device("cpu"))
+    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    with torch.no_grad():
+        return float(FlowMatchSFTLoss(pipe, **inputs[0], **inputs[1]))
+
+
+def output(pipe, name: str, dit=None) -> torch.Tensor:
+    """model_fn on a fixed input (what a LoRA changes), with the pipe's dit or `dit`."""
+    torch.manual_seed(0)
+    dtype = pipe.torch_dtype
+    shape = (1, 16, 4, 4) if name == "ZImagePipeline" else (1, 16, 1, 4, 4)
+    latents = torch.randn(shape).to(dtype)
+    if name == "ZImagePipeline":
+        cond = {"prompt_embeds": [torch.randn(5, 32).to(dtype)]}
+    else:
+        cond = {"context": torch.randn(1, 5, 32).to(dtype)}
+    timestep = torch.tensor([500.0]).to(dtype)
+    with torch.no_grad():
+        dit = pipe.dit if dit is None else dit
+        return pipe.model_fn(dit, latents=latents, timestep=timestep, **cond).float()
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_plan_equals_diffsynths_split(root, name):
+    config = job(root, name)
+    plan = make_plan(config)
+    pipe = pipeline_class(config.pipeline)(device="cpu")
+    v1, v2 = pipe.split_pipeline_units(["dit"])
+    assert list(plan.split.v1) == [type(u).__name__ for u in v1]
+    assert list(plan.split.v2) == [type(u).__name__ for u in v2]
+    assert plan.split.models["stage1"] and "dit" not in plan.split.models["stage1"]
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_tiny_model_files_are_fully_initialized_and_reproducible(root, tmp_path, name):
+    """Every tensor of the tiny files is defined: written with torch.empty returning NaN, they
+    are finite (no uninitialized parameter, e.g. ZImageDiT's pad tokens, reaches a file) and
+    equal the fixture's files (same seed, another process state)."""
+    with nan_filled_empty():
+        info = write_tiny_models(name, tmp_path)
+    fixture = json.loads((root / name / "info.json").read_text())
+    for path, again in zip(fixture["model_paths"], info["model_paths"], strict=True):
+        written, rewritten = load_file(path), load_file(again)
+        assert written.keys() == rewritten.keys()
+        for key, tensor in rewritten.items():
+            assert tensor.isfinite().all() and tensor.abs().max() <= 10, (path, key)
+            assert torch.equal(written[key], tensor), (path, key)
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_stage2_model_equals_diffsynths_loaded_model(root, registered, name):
+    """The stage-2 denoiser (meta build, LoRA, to_empty, file load, init_buffers) holds exactly
+    what DiffSynth's own from_pretrained holds: every parameter and every buffer, persistent or
+    not; the LoRA starts as a no-op (B = 0, A finite), so model_fn's output is identical too."""
+    config = job(root, name)
+    info = json.loads((root / name / "info.json").read_text())
+    dist_info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    model = build_stage2_models(config, make_plan(config), dist_info, names=["dit"]).models["dit"]
+    pipe = fresh(name, info)
+    reference = pipe.dit
+    ours = {
+        k.replace(".base_layer.", "."): v
+        for k, v in [*model.named_parameters(), *model.named_buffers()]
+        if "lora_" not in k
+    }
+    theirs = dict([*reference.named_parameters(), *reference.named_buffers()])
+    assert ours.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), key
+    lora = {k: v for k, v in model.named_parameters() if "lora_" in k}
+    assert lora and all(v.isfinite().all() for v in lora.values())
+    assert all(not v.any() for k, v in lora.items() if "lora_B" in k)
+    assert torch.equal(output(pipe, name, model), output(pipe, name))
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(root, registered, name):
+    config = job(root, name)
+    info = json.loads((root / name / "info.json").read_text())
+    report = preprocess(config, progress=False)
+    assert report.computed == 2
+    cache = root / "cache" / report.cache_key
+    assert not list(cache.rglob("*.pt*"))  # our format: safetensors shards + JSON, no pickle
+    result = train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    metrics = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").open()]
+    assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
+    # The first update trained on the first key of the epoch order: find which row it was.
+    expected = [reference_loss(config, name, info, 0, i) for i in range(2)]
+    first = metrics[0]["loss"]
+    assert min(abs(first - e) for e in expected) <= 1e-6 * max(1.0, abs(first)), (first, expected)
+    lora = Path(result.outputs["dit"])
+    before = output(fresh(name, info), name)
+    pipe = fresh(name, info)
+    pipe.load_lora(pipe.dit, str(lora))
+    after = output(pipe, name)
+    assert not torch.equal(before, after)
+
+
+def test_batch_size_above_one_is_refused_before_launch(root):
+    config = job(root, "ZImagePipeline", batch_size=4)
+    with pytest.raises(Exception) as error:
+        make_plan(config)
+    assert "train.gradient_accumulation_steps = 4" in str(error.value)
