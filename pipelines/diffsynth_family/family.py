@@ -33,6 +33,7 @@ from splitstage.pipelines.diffsynth_family.loader import (
 from splitstage.pipelines.diffsynth_family.units import DiffSynthUnits, loss_inputs
 from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
 from splitstage.pipelines.images import center_crop_resize
+from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline
 
@@ -209,31 +210,13 @@ class DiffSynthFamily(Family):
         with init_empty_weights():  # parameters on meta; buffers and tables stay real
             model = cls(**entry.get("extra_kwargs", {}))
         model = model.to(DTYPES[self.group.torch_dtype])  # as DiffSynth's loader: all to dtype
-        # No file holds the non-persistent buffers (RoPE tables...): kept as the class built
-        # them, put back by init_buffers. Persistent ones come from the file (not overwritten).
-        model._splitstage_buffers = {
-            f"{prefix}.{name}" if prefix else name: buffer.clone()
-            for prefix, module in model.named_modules()
-            for name, buffer in module._buffers.items()
-            if buffer is not None and name in module._non_persistent_buffers_set
-        }
+        # Non-persistent buffers (RoPE tables...) are in no file: kept here, put back after load.
+        keep_buffers(model)
         return model
 
     def init_buffers(self, model: nn.Module) -> None:
         """The non-persistent buffers as the class built them (to_empty left them garbage)."""
-        saved = getattr(model, "_splitstage_buffers", {})
-        restored = set()
-        with torch.no_grad():
-            for key, buffer in model.named_buffers():
-                key = key.replace(".base_layer.", ".")  # peft wraps the targeted layers
-                if key in saved:
-                    buffer.copy_(saved[key].to(buffer))
-                    restored.add(key)
-        if set(saved) - restored:
-            raise ConfigError(
-                f"internal: non-persistent buffers {sorted(set(saved) - restored)} of a "
-                f"{self.group.pipeline_class} model were not found after wrapping"
-            )
+        restore_buffers(model, f"a {self.group.pipeline_class} model")
 
     # -- the training step -----------------------------------------------------------------------
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:

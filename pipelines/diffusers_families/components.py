@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from splitstage.pipelines.config import ConfigError
+from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
 from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
 
 LIBRARIES = ("diffusers", "transformers")
@@ -71,13 +72,7 @@ def build_empty(component: Component) -> nn.Module:
             f"{component.config_dir / 'config.json'} ({_first_line(error)}); fix that config.json "
             "or use the one diffusers saved with the weights"
         ) from None
-    model._splitstage_buffers = {
-        f"{prefix}.{name}" if prefix else name: buffer.clone()
-        for prefix, module in model.named_modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None and name in module._non_persistent_buffers_set
-    }
-    return model
+    return keep_buffers(model)
 
 
 def read_state(path: Path) -> dict[str, torch.Tensor]:
@@ -127,13 +122,7 @@ def check_fits(component: Component) -> None:
 
 def init_buffers(model: nn.Module) -> None:
     """Put back the non-persistent buffers `build_empty` kept; re-tie T5's embeddings."""
-    saved = getattr(model, "_splitstage_buffers", {})
-    with torch.no_grad():
-        for fqn, value in saved.items():
-            prefix, _, name = fqn.rpartition(".")
-            module = model.get_submodule(prefix)
-            current = module._buffers[name]
-            module._buffers[name] = value.to(device=current.device, dtype=current.dtype)
+    restore_buffers(model, type(model).__name__)
     tie = getattr(model, "tie_weights", None)
     if callable(tie) and not hasattr(model, "register_to_config"):  # transformers models only
         tie()
