@@ -109,9 +109,14 @@ def init_distributed(
     return DistInfo(rank, local_rank, world_size, local_device, backend)
 
 
-def close_distributed() -> None:
-    """Leave the process group if one is open (safe to call twice)."""
+def close_distributed(barrier: bool = False) -> None:
+    """Leave the process group if one is open (safe to call twice). `barrier` (the normal end
+    only: every rank gets there) first waits for all ranks, so none tears gloo down while a peer
+    still has work in flight: that race aborts a rank at exit ("terminate called without an
+    active exception") after everything was written."""
     if dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

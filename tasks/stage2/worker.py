@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from splitstage.tasks.stage2.pp_trainer import PipelineTrainer as trainer_cls
     try:
         trainer_cls(spec).run()
+        close_distributed(barrier=True)
     except UserError as error:
         report_error(Path(spec["run_dir"]), error)
         return 2

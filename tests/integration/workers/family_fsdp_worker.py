@@ -73,6 +73,7 @@ def main() -> None:
         {k: v.contiguous() for k, v in state.items()}, str(out / f"lora-rank{rank}.safetensors")
     )
     if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while a peer still has work in flight
         dist.destroy_process_group()
 
 
