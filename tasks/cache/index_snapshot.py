@@ -181,18 +181,16 @@ def _specs(arrays: Mapping[str, np.ndarray]) -> tuple[list, dict, list[int]]:
 
 def _snapshot(store: Any) -> tuple[CompactIndex, np.ndarray] | None:
     """The store's snapshot when there is a usable one; logs why one that is there is not."""
-    path = store._path(SNAPSHOT)
-    (data,) = st.read_many(store.fs, [path])
-    if isinstance(data, BaseException):
-        st.raise_if_storage_error(data, store._url(path), "read", store._options)
-        if isinstance(data, FileNotFoundError):
-            return None
-        raise data
+    data = store._read_file(SNAPSHOT)
+    if data is None:
+        return None
     try:
         return decode_snapshot(data, store.cache_key)
     except SnapshotError as exc:
         log.warning(
-            "index snapshot %s is not used (%s): reading every index entry", store._url(path), exc
+            "index snapshot %s is not used (%s): reading every index entry",
+            store._url(store._path(SNAPSHOT)),
+            exc,
         )
         return None
 
