@@ -81,6 +81,8 @@ class Scan:
     listing: Listing
     source: DataSource
     rels: list[str] = field(default_factory=list)  # each row's listing key (relative_key)
+    absent: list[str] = field(default_factory=list)  # listing keys of rows skipped as not found
+    metadata: tuple[DataSource, str, Any] | None = None  # (source, name, stat) of the metadata
 
 
 def find_metadata(base_path: str | Path | DataSource) -> str:
@@ -104,6 +106,21 @@ def find_metadata(base_path: str | Path | DataSource) -> str:
     if len(found) > 1:
         raise DataError(f"both {found[0]} and {found[1]} in {base}; pass metadata_path")
     return source.display(found[0])
+
+
+def locate_metadata(
+    source: DataSource, metadata_path: str | Path | None = None
+) -> tuple[DataSource, str]:
+    """(source, relative name) of the data set's metadata file, which must be a file."""
+    where = metadata_path if metadata_path is not None else find_metadata(source)
+    meta, rel = source.locate(str(where))
+    kind = meta.kind(rel)
+    if kind == "folder":
+        shown = meta.display(rel)
+        raise DataError(f"metadata file {shown} is a folder; give the .csv or .jsonl file in it")
+    if kind == "missing":
+        raise DataError(f"metadata file {meta.display(rel)} does not exist")
+    return meta, rel
 
 
 def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: str) -> Row:
@@ -175,16 +192,11 @@ def scan_data_set(
 ) -> Scan:
     """Read and validate the metadata rows and list the data set's files once (load_metadata)."""
     source = source_for(base_path)
-    where = metadata_path if metadata_path is not None else find_metadata(source)
-    meta, rel = source.locate(str(where))
-    shown = meta.display(rel)
-    kind = meta.kind(rel)
-    if kind == "folder":
-        raise DataError(f"metadata file {shown} is a folder; give the .csv or .jsonl file in it")
-    if kind == "missing":
-        raise DataError(f"metadata file {shown} does not exist")
-    name = rel.rsplit("/", 1)[-1]
-    records = metadata_files.records(meta.read_metadata(rel), name, shown, MAX_LINE_CHARS)
+    meta, meta_rel = locate_metadata(source, metadata_path)
+    shown = meta.display(meta_rel)
+    name = meta_rel.rsplit("/", 1)[-1]
+    identity = meta.stat(meta_rel)  # before reading: a later edit can only make it look changed
+    records = metadata_files.records(meta.read_metadata(meta_rel), name, shown, MAX_LINE_CHARS)
     base = source.display("").rstrip("/") if not source.local else source.local_root
     rows: list[Row] = []
     skipped: list[Skipped] = []
@@ -201,11 +213,19 @@ def scan_data_set(
     listing = source.listing(set(rels) if source.local else None)
     good: list[Row] = []
     good_rels: list[str] = []
+    absent: list[str] = []
     files = listing.files
     for row, rel in zip(rows, rels, strict=True):
         try:
             if rel not in files:
                 _missing_image(row, source, listing)
+        except DataError as exc:
+            if not skip_bad_rows:
+                raise
+            skipped.append(Skipped(row.line, str(exc)))
+            absent.append(rel)
+            continue
+        try:
             if check_images:
                 decode_image(read_image_bytes(row, source), row, source)
         except DataError as exc:
@@ -220,7 +240,9 @@ def scan_data_set(
     if not good and not skipped:
         raise DataError(f"metadata file {shown} has no rows; add one row per image")
     skipped.sort(key=lambda s: s.line)
-    return Scan(rows=good, skipped=skipped, listing=listing, source=source, rels=good_rels)
+    scan = Scan(rows=good, skipped=skipped, listing=listing, source=source, rels=good_rels)
+    scan.absent, scan.metadata = absent, (meta, meta_rel, identity)
+    return scan
 
 
 def load_metadata(

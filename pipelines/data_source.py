@@ -230,6 +230,20 @@ class DataSource:
             raise self.failure("read", self.display(rel), exc) from None
         return "folder" if info.get("type") == "directory" else "file"
 
+    def stat(self, rel: str) -> tuple[int, Any] | None:
+        """(size, version) of one file now (mtime_ns on disks, ETag on object stores); None
+        when it cannot be found out (callers then trust nothing recorded about it)."""
+        try:
+            if self.local:
+                st = os.stat(self.path(rel))
+                return st.st_size, st.st_mtime_ns
+            self.fs.invalidate_cache(self.path(rel))
+            info = self.fs.info(self.path(rel))
+        except Exception:
+            return None
+        version = _version(info)
+        return None if version is None else (int(info.get("size") or 0), version)
+
     def read_metadata(self, rel: str) -> bytes:
         """A metadata file's bytes; DataError naming it when it cannot be read."""
         try:

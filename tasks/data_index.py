@@ -7,18 +7,22 @@ files the hash memo (`tasks.hash_memo`) does not know at their current size and 
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.data import (
     DataError,
     Row,
+    locate_metadata,
     read_image_bytes,
     sample_key_of_digest,
     scan_data_set,
 )
 from splitstage.pipelines.data_source import DataSource, open_data_source
 from splitstage.pipelines.images import check_file_size
+from splitstage.tasks import index_memo
 from splitstage.tasks.hash_memo import (
     HashMemo,
     data_url_of,
@@ -28,6 +32,7 @@ from splitstage.tasks.hash_memo import (
     save_memo,
 )
 
+log = logging.getLogger(__name__)
 READ_CHUNK = 1024  # rows whose images are read in one batch
 
 
@@ -35,21 +40,24 @@ READ_CHUNK = 1024  # rows whose images are read in one batch
 class DataIndex:
     """The data set's usable rows with their sample keys, and what was skipped."""
 
-    rows: list[Row]
+    rows: Sequence[Row]  # a list, or a RowTable restored from the index memo
     keys: list[str]
     skipped: list[tuple[int, str]] = field(default_factory=list)
     duplicates: int = 0
     source: DataSource | None = None  # travels to worker processes (names only, no secrets)
     hashed: int = 0  # images read and hashed in this run
     memo_hits: int = 0  # images whose hash came from the memo
+    from_memo: bool = False  # True: rows and keys came from the index memo (nothing changed)
 
 
 def _read_digests(
     source: DataSource, todo: list[tuple[Row, str]], sizes: dict[str, tuple], skip: bool
-) -> tuple[dict[str, bytes], list[tuple[int, str]]]:
-    """sha256 digests of the images of `todo` (row, listing key), read in batches."""
+) -> tuple[dict[str, bytes], list[tuple[int, str]], bool]:
+    """sha256 digests of the images of `todo` (row, listing key), read in batches; the flag
+    says an image read failed (skipped: such a build is not kept as the index memo)."""
     digests: dict[str, bytes] = {}
     bad: list[tuple[int, str]] = []
+    failed = False
     ok = []
     for row, rel in todo:  # refuse a huge file from its listed size, before reading it
         try:
@@ -73,6 +81,7 @@ def _read_digests(
         for (row, rel), got in zip(chunk, results, strict=True):
             try:
                 if isinstance(got, BaseException):
+                    failed = True
                     raise _read_error(row, source, rel, got)
                 check_file_size(row.where, source.display(rel), len(got))
             except DataError as exc:
@@ -81,7 +90,7 @@ def _read_digests(
                 bad.append((row.line, str(exc)))
                 continue
             digests[rel] = hashlib.sha256(got).digest()
-    return digests, bad
+    return digests, bad, failed
 
 
 def _read_error(row: Row, source: DataSource, rel: str, exc: BaseException) -> DataError:
@@ -94,17 +103,22 @@ def _read_error(row: Row, source: DataSource, rel: str, exc: BaseException) -> D
 
 def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIndex:
     """Read the metadata, list the data set once, and key every sample by content (hashing only
-    the images the memo does not know); bad rows raise or are counted."""
+    the images the memo does not know); bad rows raise or are counted. A rerun with nothing
+    changed takes everything from the index memo (`tasks.index_memo`) after one stat per file."""
     data = config.data
     source = open_data_source(data)
+    memo_at = memo_location(config.cache, source) if use_memo else None
+    if memo_at is not None:
+        reused = _reuse(memo_at, source, data)
+        if reused is not None:
+            return reused
     scan = scan_data_set(source, data.metadata_path, skip_bad_rows=data.skip_bad_rows)
     rows = scan.rows if data.limit is None else scan.rows[: data.limit]
     rels = scan.rels[: len(rows)]
     files = scan.listing.files
     memo = HashMemo(scan.listing.by_mtime)
-    if use_memo:
-        fs, path, url = memo_location(config.cache, source)
-        memo = load_memo(fs, path, url, source)
+    if memo_at is not None:
+        memo = load_memo(*memo_at, source)
     found: dict[str, bytes] = {}
     todo: list[tuple[Row, str]] = []
     wanted: set[str] = set()
@@ -119,7 +133,7 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
         else:
             found[rel] = digest
     hits = len(found)
-    fresh, bad = _read_digests(source, todo, files, data.skip_bad_rows)
+    fresh, bad, failed = _read_digests(source, todo, files, data.skip_bad_rows)
     found.update(fresh)
     index = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
     index.source, index.hashed, index.memo_hits = source, len(fresh), hits
@@ -137,13 +151,67 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
         index.rows.append(row)
         index.keys.append(key)
     index.skipped.sort()
-    if use_memo and needs_save(scan.listing, fresh, len(memo), hits):
-        encoded = HashMemo.encode(scan.listing, found, data_url_of(source))
-        if encoded is not None:
-            save_memo(fs, path, url, encoded)
     if not index.rows:
         raise DataError(
             f"data set {data.base_path}: no usable rows ({len(index.skipped)} skipped); "
             "check data.base_path and data.metadata_path"
         )
+    if memo_at is not None:
+        if needs_save(scan.listing, fresh, len(memo), hits):
+            encoded = HashMemo.encode(scan.listing, found, data_url_of(source))
+            if encoded is not None:
+                save_memo(*memo_at, encoded)
+        if not failed:
+            _save_index(memo_at, source, data, scan, index, rels, len(found))
     return index
+
+
+def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
+    """The data index from a still-valid index memo, else None (the full build runs)."""
+    fs, path, url = memo_at
+    url = index_memo.index_memo_path(url)
+    try:
+        meta_source, rel = locate_metadata(source, data.metadata_path)
+    except DataError:
+        return None  # the full build says what is wrong
+    stat = meta_source.stat(rel)
+    rules = index_memo.rules_digest(data, meta_source.display(rel))
+    got = index_memo.load(
+        fs,
+        index_memo.index_memo_path(path),
+        url,
+        data_url=data_url_of(source),
+        rules=rules,
+        metadata_stat=stat,
+    )
+    if got is None:
+        return None
+    try:
+        if not index_memo.still_valid(*got, source):
+            return None
+        result = index_memo.restore(*got)
+    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+        log.warning("index memo %s is unusable (%s); indexing every row", url, exc)
+        return None
+    index = DataIndex(rows=result.rows, keys=result.keys, skipped=result.skipped)
+    index.duplicates, index.source, index.memo_hits = result.duplicates, source, result.hits
+    index.from_memo = True
+    return index
+
+
+def _save_index(memo_at, source, data, scan, index: DataIndex, rels, hits: int) -> None:
+    """Keep this build as the index memo when every file it depended on may be trusted."""
+    fs, path, url = memo_at
+    meta_source, rel, stat = scan.metadata
+    result = index_memo.IndexResult(index.rows, index.keys, index.skipped, index.duplicates, hits)
+    encoded = index_memo.encode(
+        result,
+        data_url=data_url_of(source),
+        rules=index_memo.rules_digest(data, meta_source.display(rel)),
+        metadata_stat=stat,
+        listing=scan.listing,
+        depends=rels,
+        absent=scan.absent,
+    )
+    if encoded is not None:
+        save_memo(fs, index_memo.index_memo_path(path), index_memo.index_memo_path(url), encoded)

@@ -121,8 +121,9 @@ def test_two_workers_without_shared_disk_and_a_rerun_after_changes(
 
     first = _run_shards(config_file, tmp_path, 2)
     assert sum(r["computed"] for r in first) == 10 and sum(r["reused"] for r in first) == 0
-    index = index_data_set(parsed)  # the workers left the memo in the bucket: nothing is read
+    index = index_data_set(parsed)  # the workers left the memos in the bucket: nothing is read
     assert (index.hashed, index.memo_hits, set(index.keys)) == (0, 10, keys)
+    assert index.from_memo  # nor parsed: rows and keys from the index memo (ETags: no tick)
     assert fs.ls(f"bucket/prefix/cache/{FOLDER}")
 
     # add two, edit one image and one caption, delete one
@@ -141,6 +142,7 @@ def test_two_workers_without_shared_disk_and_a_rerun_after_changes(
     new_keys = {sample_key(images[n], prompts[n], {}) for n in images}
     index = index_data_set(parsed)
     assert (index.hashed, index.memo_hits) == (3, 8)  # the new and edited images only
+    assert not index.from_memo
     assert set(index.keys) == new_keys
 
     second = _run_shards(config_file, tmp_path, 2)

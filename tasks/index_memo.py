@@ -1,0 +1,250 @@
+"""The index memo: a data set's rows and sample keys as last indexed, kept beside the hash memo
+(`<cache.url>/data-memo/<digest of the data set URL>.index.safetensors`), so a rerun whose
+metadata file and images are unchanged costs one stat per image (a listing on object stores)
+plus one file read: no metadata parsing, no row checks, no image reads, no hashing.
+
+It is used only when all of these hold: the same format and rules (the code that parses, checks
+and keys rows, and the settings that pick them: skip_bad_rows, limit, the metadata file); the
+same data set; the metadata file's (size, version) as recorded; every image file the result
+depended on (kept rows, dropped duplicates, rows refused for their size) with the recorded
+(size, version); and the files of rows skipped as not found still absent. It is written only when
+all of those files and the metadata file are older than the hash memo's trust margin (on disks),
+and not when an image read failed (a failure that may not recur). Anything else: the full index
+and a new memo. Losing it only costs time; a corrupt one is ignored with one warning line.
+
+Format (safetensors, no pickle): text columns NUL-joined UTF-8 (`files`, `images`, `prompts`,
+`extras` as JSON or '', and `versions` for ETags), int64 `sizes` / `mtimes` / `lines`, uint8
+`keys` [N, 32], `skipped` as JSON bytes; the header holds the format, the rules digest, the data
+set URL, the metadata file's stat and the counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from splitstage.pipelines.data import Row
+from splitstage.pipelines.data_source import DataSource, Listing
+from splitstage.pipelines.file_stats import changed_files
+from splitstage.pipelines.row_table import RowTable
+from splitstage.pipelines.safetensors_io import read_metadata
+from splitstage.tasks.hash_memo import TRUST_MARGIN_NS
+
+log = logging.getLogger(__name__)
+FORMAT = "splitstage-data-index-v1"
+SUFFIX = ".index.safetensors"
+_SEP = "\0"
+_HEX_KEY = re.compile(".{64}", re.DOTALL)
+_RULE_MODULES = (  # the code whose behaviour the memo's contents depend on
+    "splitstage.pipelines.data",
+    "splitstage.pipelines.metadata_files",
+    "splitstage.pipelines.data_source",
+    "splitstage.pipelines.images",
+    "splitstage.tasks.data_index",
+    __name__,
+)
+
+
+@dataclass
+class IndexResult:
+    """What an index build found: the input to a memo, and what a valid memo gives back."""
+
+    rows: Sequence[Row]
+    keys: list[str]
+    skipped: list[tuple[int, str]]
+    duplicates: int
+    hits: int  # distinct image files with a content digest
+
+
+def index_memo_path(memo_path: str) -> str:
+    """The index memo's path beside the hash memo at `memo_path`."""
+    return memo_path.removesuffix(".safetensors") + SUFFIX
+
+
+def rules_digest(data: Any, metadata: str) -> str:
+    """Digest of what decides the rows and keys besides the files: code and settings."""
+    digest = hashlib.sha256(FORMAT.encode())
+    for name in _RULE_MODULES:
+        module = sys.modules.get(name)
+        source = getattr(module, "__file__", None)
+        digest.update(Path(source).read_bytes() if source else name.encode())
+    settings = {"skip_bad_rows": data.skip_bad_rows, "limit": data.limit, "metadata": metadata}
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def encode(
+    result: IndexResult,
+    *,
+    data_url: str,
+    rules: str,
+    metadata_stat: Any,
+    listing: Listing,
+    depends: Sequence[str],
+    absent: Sequence[str],
+) -> bytes | None:
+    """The memo bytes; None when it may not be kept (a racy file, an unknown version, or text
+    that cannot be stored)."""
+    files = sorted(set(depends))  # grouped by folder: one open folder per run of stats
+    stats = [listing.files.get(p) for p in files]
+    if metadata_stat is None or any(s is None or s[1] is None for s in stats):
+        return None
+    if listing.by_mtime:
+        margin = listing.started_ns - TRUST_MARGIN_NS
+        if metadata_stat[1] >= margin or any(s[1] >= margin for s in stats):
+            return None
+    extras = [_extras_text(row.extras) for row in result.rows]
+    text = {
+        "files": _join(files),
+        "images": _join([row.image for row in result.rows]),
+        "prompts": _join([row.prompt for row in result.rows]),
+        "extras": None if None in extras else _join(extras),
+        "absent": _join(list(absent)),
+    }
+    if listing.by_mtime:
+        versions = {"mtimes": np.fromiter((s[1] for s in stats), np.int64, len(stats))}
+    else:
+        versions = {"versions": _join([str(s[1]) for s in stats])}
+    if any(v is None for v in (*text.values(), *versions.values())):
+        return None
+    tensors = {name: np.frombuffer(value, np.uint8) for name, value in text.items()}
+    if "versions" in versions:
+        tensors["versions"] = np.frombuffer(versions["versions"], np.uint8)
+    else:
+        tensors["mtimes"] = versions["mtimes"]
+    tensors["sizes"] = np.fromiter((s[0] for s in stats), np.int64, len(stats))
+    tensors["lines"] = np.fromiter((row.line for row in result.rows), np.int64, len(result.rows))
+    keys = bytes.fromhex("".join(result.keys))
+    tensors["keys"] = np.frombuffer(keys, np.uint8).reshape(-1, 32)
+    skipped = json.dumps([list(s) for s in result.skipped], ensure_ascii=False).encode()
+    tensors["skipped"] = np.frombuffer(skipped, np.uint8)
+    source = result.rows[0].source if result.rows else ""
+    meta = {
+        "format": FORMAT,
+        "rules": rules,
+        "data_url": data_url,
+        "metadata_stat": json.dumps(list(metadata_stat)),
+        "by_mtime": str(listing.by_mtime),
+        "rows": str(len(result.rows)),
+        "files": str(len(files)),
+        "duplicates": str(result.duplicates),
+        "hits": str(result.hits),
+        "source": source,
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def load(
+    fs: Any, path: str, url: str, *, data_url: str, rules: str, metadata_stat: Any
+) -> tuple[dict[str, str], dict[str, np.ndarray]] | None:
+    """The memo's header and columns when it was made by these rules for this data set and
+    metadata file; None when missing, made for something else, or (with a warning) corrupt."""
+    if metadata_stat is None:
+        return None
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        log.warning("index memo %s not read (%s); indexing every row", url, type(exc).__name__)
+        return None
+    try:
+        meta = read_metadata(data)
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        current = (meta.get("rules"), meta.get("data_url"), meta.get("metadata_stat"))
+        if current != (rules, data_url, json.dumps(list(metadata_stat))):
+            return None  # the code, settings or metadata file changed: not an error
+        return meta, st_load(data)
+    except Exception as exc:
+        log.warning("index memo %s is unusable (%s); indexing every row", url, exc)
+        return None
+
+
+def still_valid(
+    meta: Mapping[str, str], tensors: Mapping[str, np.ndarray], source: DataSource
+) -> bool:
+    """True when every file the memo depended on is as recorded, and absent ones still are."""
+    count = int(meta["files"])
+    absent = _split(tensors["absent"], None)
+    sizes = tensors["sizes"]
+    if len(sizes) != count:
+        raise ValueError("its file columns disagree")
+    if source.local:
+        if meta["by_mtime"] != "True" or len(tensors["mtimes"]) != count:
+            raise ValueError("its file columns disagree")
+        root = source.local_root
+        if changed_files(root, tensors["files"].tobytes(), sizes, tensors["mtimes"]):
+            return False
+        return not any(os.path.isfile(os.path.join(root, rel)) for rel in absent)
+    files = _split(tensors["files"], count)
+    listing = source.listing()
+    versions = _split(tensors["versions"], len(files))
+    now = [listing.files.get(p) for p in files]
+    if now != list(zip(sizes.tolist(), versions)):
+        return False
+    return not any(rel in listing.files for rel in absent)
+
+
+def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> IndexResult:
+    """The rows, keys and skipped rows the memo holds (its rows made into objects lazily)."""
+    count = int(meta["rows"])
+    digests = tensors["keys"]
+    if digests.shape != (count, 32) or len(tensors["lines"]) != count:
+        raise ValueError(f"its row columns disagree with its count {count}")
+    keys = _HEX_KEY.findall(digests.tobytes().hex())
+    rows = RowTable(
+        tensors["lines"].tolist(),
+        _split(tensors["images"], count),
+        _split(tensors["prompts"], count),
+        _split(tensors["extras"], count),
+        meta["source"],
+    )
+    skipped = [
+        (int(line), str(reason)) for line, reason in json.loads(tensors["skipped"].tobytes())
+    ]
+    return IndexResult(rows, keys, skipped, int(meta["duplicates"]), int(meta["hits"]))
+
+
+def _extras_text(extras: Mapping[str, Any]) -> str | None:
+    """Extra fields as JSON text ('' for none); None when JSON would not give them back as they
+    are (e.g. dates or bytes from parquet), so such a data set is never memoized wrongly."""
+    if not extras:
+        return ""
+    try:
+        text = json.dumps(extras, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+    return text if json.loads(text) == extras else None
+
+
+def _join(values: Sequence[str]) -> bytes | None:
+    """NUL-joined UTF-8, or None when a value holds a NUL (it would split wrongly)."""
+    joined = _SEP.join(values)
+    if joined.count(_SEP) != max(0, len(values) - 1):
+        return None
+    try:
+        return joined.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates from JSON escapes
+        return None
+
+
+def _split(column: np.ndarray, count: int | None) -> list[str]:
+    """A NUL-joined text column back into `count` values (any number when None)."""
+    text = column.tobytes().decode("utf-8")
+    values = text.split(_SEP) if text or count == 1 else []
+    if count is not None and len(values) != count:
+        raise ValueError(f"a text column holds {len(values)} values, expected {count}")
+    return values

@@ -1,0 +1,217 @@
+"""The index memo: a rerun with nothing changed restores rows and keys without parsing or
+hashing, and any change that could alter the result (an image, the metadata, a missing file
+appearing, a setting, the memo itself) falls back to the full build, which is the truth."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from splitstage.pipelines import file_stats, metadata_files
+from splitstage.pipelines.config import config_from_dict
+from splitstage.tasks import index_memo
+from splitstage.tasks.data_index import index_data_set
+from splitstage.tasks.hash_memo import FOLDER
+
+
+def _age(path: Path, seconds: float = 60) -> None:
+    stamp = time.time() - seconds
+    os.utime(path, (stamp, stamp))
+
+
+def _image(path: Path, color: tuple[int, int, int]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), color).save(path)
+    _age(path)
+
+
+def _metadata(data: Path, lines: list[str], name: str = "metadata.csv") -> None:
+    (data / name).write_text("\n".join(lines) + "\n")
+    _age(data / name)
+
+
+def _config(tmp_path: Path, data: Path, **extra):
+    return config_from_dict(
+        {"data": {"base_path": str(data), **extra}, "cache": {"url": str(tmp_path / "cache")}}
+    )
+
+
+@pytest.fixture
+def job(tmp_path):
+    data = tmp_path / "data"
+    for i in range(6):
+        _image(data / "img" / f"{i}.png", (i * 40, 10, 10))
+    _image(data / "img" / "copy.png", (0, 10, 10))  # same bytes as 0.png: a duplicate
+    rows = ["image,prompt,style", *(f"img/{i}.png,picture {i},s{i}" for i in range(6))]
+    rows += ["img/copy.png,picture 0,s0", "img/gone.png,missing one,s9"]
+    _metadata(data, rows)
+    return _config(tmp_path, data, skip_bad_rows=True), data
+
+
+def _truth(config):
+    return index_data_set(config, use_memo=False)
+
+
+def _same(got, want) -> None:
+    assert got.keys == want.keys
+    assert list(got.rows) == list(want.rows)
+    assert got.skipped == want.skipped and got.duplicates == want.duplicates
+
+
+def test_rerun_restores_everything_without_parsing_or_hashing(job, monkeypatch):
+    config, _ = job
+    first = index_data_set(config)
+    assert not first.from_memo and first.duplicates == 1 and len(first.skipped) == 1
+    assert any((Path(config.cache.url) / FOLDER).glob("*" + index_memo.SUFFIX))
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the metadata was parsed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(metadata_files, "records", no_parsing)
+        again = index_data_set(config)
+    assert again.from_memo and (again.hashed, again.memo_hits) == (0, first.hashed)
+    _same(again, first)
+    _same(again, _truth(config))
+    assert again.rows[-1] == first.rows[-1] and again.rows[1:3] == first.rows[1:3]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "edit image same size",
+        "delete image",
+        "missing file appears",
+        "edit caption",
+        "duplicate edited",
+        "limit",
+        "skip_bad_rows",
+        "memo corrupt",
+    ],
+)
+def test_every_change_falls_back_to_the_full_build(job, tmp_path, change, caplog):
+    config, data = job
+    index_data_set(config)
+    assert index_data_set(config).from_memo
+    if change == "edit image same size":
+        target = data / "img" / "2.png"
+        size = target.stat().st_size
+        _image(target, (1, 2, 250))
+        _age(target, 30)
+        assert target.stat().st_size == size
+    elif change == "delete image":
+        (data / "img" / "3.png").unlink()
+    elif change == "missing file appears":
+        _image(data / "img" / "gone.png", (5, 5, 5))
+    elif change == "edit caption":
+        text = (data / "metadata.csv").read_text().replace("picture 4", "picture four")
+        _metadata(data, text.splitlines())
+    elif change == "duplicate edited":
+        _image(data / "img" / "copy.png", (0, 99, 10))
+    elif change == "limit":
+        config = _config(tmp_path, data, skip_bad_rows=True, limit=3)
+    elif change == "skip_bad_rows":
+        (data / "img" / "gone.png").write_bytes(b"")  # so that strict mode has no missing row
+        _age(data / "img" / "gone.png")
+        index_data_set(config)
+        config = _config(tmp_path, data, skip_bad_rows=False)
+    else:
+        memo = next((Path(config.cache.url) / FOLDER).glob("*" + index_memo.SUFFIX))
+        memo.write_bytes(memo.read_bytes()[:-40])
+    with caplog.at_level(logging.WARNING):
+        got = index_data_set(config)
+    assert not got.from_memo
+    _same(got, _truth(config))
+    warned = [r for r in caplog.records if "index memo" in r.getMessage()]
+    assert len(warned) == (1 if change == "memo corrupt" else 0)
+    assert index_data_set(config).from_memo  # the full build kept a new memo
+
+
+def test_fresh_files_are_not_trusted(job):
+    """A metadata file or image written within the mtime tick of the listing is never
+    memoized: a same-size rewrite within that tick would not show in its stat."""
+    config, data = job
+    (data / "metadata.csv").write_text((data / "metadata.csv").read_text())  # fresh mtime
+    index_data_set(config)
+    assert not index_data_set(config).from_memo
+    _age(data / "metadata.csv")
+    Image.new("RGB", (8, 8), (7, 7, 7)).save(data / "img" / "1.png")  # fresh image
+    index_data_set(config)
+    assert not index_data_set(config).from_memo
+
+
+def test_jsonl_extras_round_trip_and_odd_text_is_never_memoized(tmp_path):
+    data = tmp_path / "data"
+    _image(data / "a.png", (1, 2, 3))
+    _image(data / "b.png", (3, 2, 1))
+    rows = [
+        {
+            "image": "a.png",
+            "prompt": "a \u00e9 caf\u00e9",
+            "meta": {"k": [1, 2.5, None], "t": True},
+        },
+        {"image": "b.png", "prompt": "b", "n": 3},
+    ]
+    _metadata(data, [json.dumps(r) for r in rows], "metadata.jsonl")
+    config = _config(tmp_path, data)
+    first = index_data_set(config)
+    again = index_data_set(config)
+    assert again.from_memo
+    _same(again, first)
+    assert again.rows[0].extras == {"meta": {"k": [1, 2.5, None], "t": True}}
+    rows[1]["prompt"] = "with a NUL \u0000 inside"  # NUL-joined columns cannot hold it
+    _metadata(data, [json.dumps(r) for r in rows], "metadata.jsonl")
+    index_data_set(config)
+    got = index_data_set(config)
+    assert not got.from_memo
+    _same(got, _truth(config))
+
+
+def _joined(rels: list[str]) -> bytes:
+    return "\0".join(rels).encode()
+
+
+def _tree(root: Path, count: int) -> list[str]:
+    rels = [f"d{i % 3}/{i}.bin" for i in range(count)]
+    for rel in rels:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * (len(rel) % 5))
+    return sorted(rels)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_changed_files_finds_every_kind_of_change(tmp_path, monkeypatch, processes):
+    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", processes)
+    rels = _tree(tmp_path, 40)
+    stats = [os.stat(tmp_path / r) for r in rels]
+    sizes = np.array([s.st_size for s in stats], dtype=np.int64)
+    mtimes = np.array([s.st_mtime_ns for s in stats], dtype=np.int64)
+    assert file_stats.changed_files(str(tmp_path), _joined(rels), sizes, mtimes) == []
+    (tmp_path / rels[3]).write_bytes(b"longer than before")  # size
+    os.utime(tmp_path / rels[10], ns=(stats[10].st_atime_ns, stats[10].st_mtime_ns + 1))  # mtime
+    (tmp_path / rels[20]).unlink()  # gone
+    (tmp_path / rels[25]).unlink()
+    (tmp_path / rels[25]).mkdir()  # a folder where a file was
+    rels_bad = [*rels, "no/such/folder/x.bin"]
+    sizes_bad, mtimes_bad = np.append(sizes, 1), np.append(mtimes, 1)
+    got = file_stats.changed_files(str(tmp_path), _joined(rels_bad), sizes_bad, mtimes_bad)
+    assert got == [3, 10, 20, 25, 40]
+
+
+def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", "2")
+    rels = _tree(tmp_path, 10)
+    sizes = np.array([os.stat(tmp_path / r).st_size for r in rels], dtype=np.int64)
+    mtimes = np.array([os.stat(tmp_path / r).st_mtime_ns + 1 for r in rels], dtype=np.int64)
+    monkeypatch.setattr(file_stats.sys, "executable", str(tmp_path / "no-python"))
+    with caplog.at_level(logging.WARNING, logger=file_stats.__name__):
+        got = file_stats.changed_files(str(tmp_path), _joined(rels), sizes, mtimes)
+    assert got == list(range(10))
+    assert len(caplog.records) == 1 and "checking here" in caplog.records[0].getMessage()
