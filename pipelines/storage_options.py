@@ -2,7 +2,9 @@
 with a Prefect block's credentials, and the one way to open a URL (pipelines and tasks share it).
 
 Credentials never go into the config: they come from the environment (AWS_ACCESS_KEY_ID, ...) or
-from a Prefect block named by `credentials_block` (see `pipelines.credentials`).
+from a Prefect block named by `credentials_block` (see `pipelines.credentials`). Options handed
+to other processes (a run spec) may name a block instead (`name_block`): its credentials are read
+where the URL is opened (`resolve_credentials`, called by `open_url`), so no secret is written.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ S3_ALIASES = {
     "aws_session_token": "token",
 }
 CONFIG_SECRETS = {"key", "secret", "token", "password", "aws_secret_access_key", "session_token"}
+BLOCK_OPTION = "credentials_block"  # in handed-on options: {"name": block, "field": config field}
 
 
 def check_storage_options(value: Mapping[str, Any]) -> dict[str, Any]:
@@ -32,6 +35,11 @@ def check_storage_options(value: Mapping[str, Any]) -> dict[str, Any]:
             f"holds credentials ({', '.join(found)}); put them in the environment "
             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or a Prefect block (credentials_block), "
             "not the config"
+        )
+    if BLOCK_OPTION in value:
+        raise ValueError(
+            "holds credentials_block; name the block in the group's own credentials_block "
+            "field, beside storage_options"
         )
     endpoint = value.get("endpoint_url")
     if endpoint is not None:
@@ -81,6 +89,27 @@ def with_credentials(
     return merged
 
 
+def name_block(
+    storage_options: Mapping[str, Any] | None, credentials_block: str | None, *, field: str
+) -> dict[str, Any]:
+    """`storage_options` naming a block whose credentials join them when the URL is opened: safe
+    to write into JSON (the name and the config field that gave it, never a secret)."""
+    opts = dict(storage_options or {})
+    if credentials_block:
+        opts[BLOCK_OPTION] = {"name": credentials_block, "field": field}
+    return opts
+
+
+def resolve_credentials(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Options ready for a filesystem: a block named by `name_block` replaced by its credentials
+    (object stores only; read once per process); other options are returned as they are."""
+    opts = dict(storage_options or {})
+    named = opts.pop(BLOCK_OPTION, None)
+    if not named:
+        return opts
+    return with_credentials(url, opts, named["name"], field=named["field"])
+
+
 def open_url(
     url: str, storage_options: Mapping[str, Any] | None = None, *, field: str | None = None
 ) -> tuple[Any, str]:
@@ -92,7 +121,7 @@ def open_url(
     """
     url = urls.normalize_url(url, field, check_bucket=False)
     protocol = urls.scheme_of(url)
-    opts = dict(storage_options or {})
+    opts = resolve_credentials(url, storage_options)
     if protocol == "file":
         url = urls.local_path(url)
     elif protocol == "s3":

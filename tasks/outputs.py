@@ -6,21 +6,27 @@ from pathlib import Path
 from typing import Any
 
 from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.storage_options import name_block
+from splitstage.pipelines.urls import scheme_of
 from splitstage.tasks.cache.storage import open_fs
 
 ERROR_FILE = "error.json"  # in a run folder: a rank's one-line reason for stopping on bad input
 
 
-def _scheme(url: str) -> str:
-    return url.split("://", 1)[0] if "://" in url else "file"
-
-
 def output_storage_options(config: SplitstageConfig, url: str) -> dict[str, Any] | None:
-    """Options for an output or checkpoint URL: object storage uses the cache's endpoint options
-    (never secrets: credentials come from the environment); local paths need none."""
-    if _scheme(url) in ("file", "memory"):
+    """Options for an output or checkpoint URL: object storage connects as the cache does, with
+    its endpoint options and, on the cache's object store (same scheme), its credentials block;
+    else credentials come from the environment. Local paths need none.
+
+    The block is only named (`name_block`): its secrets are read where the URL is opened (the
+    launcher, each training rank), so these options may go into the run spec."""
+    scheme = scheme_of(url)
+    if scheme in ("file", "memory"):
         return None
-    return dict(config.cache.storage_options) or None
+    cache = config.cache
+    block = cache.credentials_block if scheme == scheme_of(cache.url) else None
+    options = name_block(cache.storage_options, block, field="cache.credentials_block")
+    return options or None
 
 
 def open_output(config: SplitstageConfig, url: str) -> tuple[Any, str]:

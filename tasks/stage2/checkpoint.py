@@ -5,7 +5,8 @@ Layout: `<url>/step-00000100/` holds DCP's files (`.metadata`, `__<rank>_0.distc
 (torch CPU/CUDA, python, numpy RNG), and `COMPLETE`, written last. A directory without `COMPLETE`
 and `.metadata` is an unfinished save: ignored and deleted. Everything this module writes is JSON
 or safetensors (no pickle); DCP's own `.metadata` is torch's format. Local paths must be shared by
-all nodes of a multi-node job.
+all nodes of a multi-node job. `storage_options` may name a credentials block (the run spec's, see
+`tasks.outputs.output_storage_options`): each process reads its credentials when it opens the URL.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from splitstage.pipelines.storage_options import resolve_credentials
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.storage import (
     ensure_folder,
@@ -182,6 +184,7 @@ def latest_checkpoint(
     url: str, *, storage_options: Mapping[str, Any] | None = None, clean: bool = True
 ) -> int | None:
     """The newest complete checkpoint's step, or None; rank 0 deletes unfinished ones (`clean`)."""
+    storage_options = resolve_credentials(url, storage_options)
     fs, root = open_fs(url, storage_options)
     with storage_errors(url, "list checkpoints in", storage_options):
         complete, incomplete = _scan(fs, root)
@@ -217,6 +220,7 @@ def save_checkpoint(
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     extra_blob = pack_extra(dict(extra_state or {}), "extra_state")  # fail early on bad values
+    storage_options = resolve_credentials(url, storage_options)  # DCP's writer gets them too
     fs, root = open_fs(url, storage_options)
     path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
     with storage_errors(ckpt_url, "write checkpoint", storage_options):
@@ -298,6 +302,7 @@ def load_checkpoint(
     they were saved with (then resume is bitwise identical).
     """
     optimizers = _as_list(optimizers)
+    storage_options = resolve_credentials(url, storage_options)  # DCP's reader gets them too
     fs, root = open_fs(url, storage_options)
     path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
     with storage_errors(ckpt_url, "read checkpoint", storage_options):
@@ -340,6 +345,7 @@ def read_extra_state(
 ) -> dict[str, Any]:
     """The extra_state of checkpoint `step` alone (no model, no process group): for checks
     before launch."""
+    storage_options = resolve_credentials(url, storage_options)
     fs, root = open_fs(url, storage_options)
     path = join(root, step_dir(step))
     with storage_errors(f"{url.rstrip('/')}/{step_dir(step)}", "read checkpoint", storage_options):

@@ -14,16 +14,19 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from splitstage.pipelines.config import ConfigError, SplitstageConfig
 from splitstage.splitter import UserError
+from splitstage.tasks.cache.batch_plan import plan_epoch
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.storage import StorageError, join, write_atomic
 from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.outputs import open_output, output_storage_options
 from splitstage.tasks.plan import JobPlan, open_cache
+from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
@@ -47,6 +50,8 @@ class Preflight:
     samples: KeyTable | None = None  # the keys to train on when not the cache's manifest
     sample_count: int = 0
     settings: dict = field(default_factory=dict)
+    keys: KeyTable | None = None  # the keys to train on, once the cache holds them
+    tail: dict | None = None  # per epoch: groups, samples dropped and repeated (the trainer's)
 
 
 def data_parallel_degree(config: SplitstageConfig) -> int:
@@ -155,27 +160,103 @@ def check_cache(
     if listed != trained:  # no manifest (only --shard runs), or one older than the cache
         result.samples = trained
     result.sample_count = len(trained)
+    result.keys = trained
     result.settings["samples"] = trained.json_hash()  # == stable_hash(sorted(trained))
 
 
-def check_batches(config: SplitstageConfig, samples: int, data_parallel: int) -> None:
-    """At least one update per epoch on every rank."""
+class DataSetBatches(PlannedBatches):
+    """The data set's samples in one group: the plan known before stage 1 assigned buckets."""
+
+    def __init__(self, config: SplitstageConfig, keys: list[str], data_parallel: int):
+        super().__init__(config, 0, data_parallel)
+        self.keys = sorted(keys)
+        self.groups = np.zeros(len(self.keys), np.int64)
+
+    def group_labels(self) -> dict[str, int]:
+        """One group: every sample."""
+        return {"all samples": len(self.keys)}
+
+
+def batch_source(
+    config: SplitstageConfig, plan: JobPlan, data: DataIndex, result: Preflight, dp: int
+) -> tuple[PlannedBatches, bool]:
+    """The batch source stage 2 builds (rank 0's view: every rank plans the same batches) and
+    whether it knows the real groups: the cache's groups (aspect buckets) when the cache is
+    ready, the raw data set's in unsplit mode (which, as its trainer, decodes each image once
+    when buckets are on), else every sample in one group."""
+    if config.train.mode == "unsplit":
+        return RawBatches(config, plan.family, 0, dp), True
+    if result.keys is None:  # validate before (or between) stage-1 runs
+        return DataSetBatches(config, list(data.keys), dp), False
+    store = open_cache(config, plan)
+    return CachedBatches(config, store, 0, dp, keys=result.keys), True
+
+
+def check_batches(
+    config: SplitstageConfig, source: PlannedBatches, data_parallel: int
+) -> dict[str, int]:
+    """At least one update per epoch on every rank, counted on the plan stage 2 uses (batches
+    within one bucket, its tail); returns the tail's cost per epoch."""
     train = config.train
-    per_rank = samples // data_parallel
-    batches = per_rank // train.batch_size
+    batches = source.steps_per_epoch()
     if batches < train.gradient_accumulation_steps:
-        fits = per_rank // train.gradient_accumulation_steps
-        fix = (
-            f"set train.batch_size <= {fits}"
-            if fits
-            else "use fewer data-parallel ranks or more data"
+        raise ConfigError(_too_few_batches(config, source, data_parallel, batches))
+    return source.tail_cost()
+
+
+def _too_few_batches(
+    config: SplitstageConfig, source: PlannedBatches, dp: int, batches: int
+) -> str:
+    """The one line for an epoch with no update: the groups, their sizes, and what fits."""
+    train, buckets = config.train, config.data.buckets
+    accum = train.gradient_accumulation_steps
+
+    def count(batch_size: int, tail: str) -> int:  # the plan stage 2 would make with these
+        settings = {"epoch": 0, "seed": config.job.seed, "replicas": dp, "tail": tail}
+        return len(
+            plan_epoch(source.groups, source.keys, batch_size=batch_size, **settings).batches
         )
-        raise ConfigError(
-            f"{samples} samples over {data_parallel} data-parallel replica(s) give {batches} "
-            f"batches per rank per epoch with train.batch_size={train.batch_size}, fewer than "
-            f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}: no update "
-            f"would run; {fix} (or lower gradient_accumulation_steps)"
-        )
+
+    fits = _largest(lambda b: count(b, source.tail) >= accum, train.batch_size - 1)
+    fixes = [f"set train.batch_size <= {fits}"] if fits else []
+    if batches:
+        fixes.append(f"lower train.gradient_accumulation_steps to <= {batches}")
+    if source.tail == "drop" and (repeat := count(train.batch_size, "repeat")) >= accum:
+        fixes.append(f"set data.buckets.tail = 'repeat' ({repeat} batches)")
+    if dp > 1:
+        fixes.append("use fewer data-parallel ranks")
+    groups = source.group_labels()
+    if len(groups) > 1:
+        fixes.append("use fewer, larger buckets (larger data.buckets.step, smaller max_aspect)")
+    fixes.append("add data")
+    shown = ", ".join(f"{label}: {n}" for label, n in list(groups.items())[:8])
+    shown += f", ... ({len(groups)} in all)" if len(groups) > 8 else ""
+    where = (
+        f"the {sum(groups.values())} samples in {len(groups)} buckets ({shown}; batches hold "
+        f"one bucket each, tail {buckets.tail!r})"
+        if len(groups) > 1
+        else f"{sum(groups.values())} samples"
+    )
+    return (
+        f"{where} over {dp} data-parallel replica(s) give {batches} batches per rank per epoch "
+        f"with train.batch_size={train.batch_size}, fewer than "
+        f"train.gradient_accumulation_steps={accum}: no update would run; "
+        f"{_either(fixes)}"
+    )
+
+
+def _either(options: list[str]) -> str:
+    """'a, b or c'."""
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+
+
+def _largest(fits, upper: int) -> int:
+    """The largest n in 1..upper with fits(n) (fits holds for small n if at all), else 0."""
+    low, high = 0, upper
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def check_outputs(config: SplitstageConfig, paths: dict[str, str]) -> None:
@@ -260,7 +341,11 @@ def preflight(
             raise
         result.warnings.append(f"train would refuse now: {error}")
         result.sample_count = len(data.keys)
-    check_batches(config, result.sample_count, dp)
+    source, known = batch_source(config, plan, data, result, dp)
+    result.tail = check_batches(config, source, dp)
+    tail = result.tail
+    if known and (tail["groups"] > 1 or tail["dropped"] or tail["repeated"]):
+        result.warnings.append(source.tail_line())  # what the trainer logs, before it starts
     check_validation(config, plan, result, strict=paths is not None)
     tracker_names(config)  # an explicitly named tracker that is not installed
     result.warnings += precision_warnings(config)
