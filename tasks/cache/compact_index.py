@@ -48,11 +48,25 @@ def _short_label(sig: tuple) -> str:
     return f"{name} {'x'.join(map(str, shape)) or 'scalar'}"
 
 
-def _long_label(sig: tuple) -> str:
-    """Every tensor param's dtype and shape, for groups the short label does not tell apart."""
-    return ", ".join(
-        f"{s[0]} {s[1]} {'x'.join(map(str, s[2])) or 'scalar'}" for s in sig if len(s) == 3
-    )
+def _group_labels(order: list[tuple]) -> list[str]:
+    """One label per group: the params whose dtype or shape differ between groups (a bucket's
+    latents, e.g. 'input_latents 4x6x10'), so labels are short and distinct."""
+    if len(order) == 1:
+        return [_short_label(order[0])]
+    specs = [{s[0]: s[1:] for s in sig} for sig in order]
+    names = sorted({name for spec in specs for name in spec})
+    varying = [n for n in names if len({spec.get(n) for spec in specs}) > 1]
+    dtypes = {n for n in varying if len({spec.get(n, (None,))[0] for spec in specs}) > 1}
+
+    def part(name: str, spec: tuple | None) -> str:
+        if spec is None:
+            return f"no {name}"
+        if spec == ("json",):
+            return f"{name} json"
+        shape = "x".join(map(str, spec[1])) or "scalar"
+        return f"{name} {spec[0]} {shape}" if name in dtypes else f"{name} {shape}"
+
+    return [", ".join(part(n, spec.get(n)) for n in varying) for spec in specs]
 
 
 def group_table(specs: list[Mapping[str, Any]]) -> tuple[np.ndarray, list[str]]:
@@ -61,10 +75,7 @@ def group_table(specs: list[Mapping[str, Any]]) -> tuple[np.ndarray, list[str]]:
     sigs = [signature(params) for params in specs]
     order = sorted(set(sigs), key=repr)
     number = {sig: i for i, sig in enumerate(order)}
-    labels = [_short_label(sig) for sig in order]
-    for i, sig in enumerate(order):
-        if labels.count(labels[i]) > 1:
-            labels[i] = _long_label(sig) or labels[i]
+    labels = _group_labels(order)
     seen: dict[str, int] = {}
     for i, label in enumerate(labels):
         seen[label] = seen.get(label, 0) + 1

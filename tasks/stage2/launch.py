@@ -80,8 +80,8 @@ def write_spec(
         "run_id": run_id,
         **paths,
         "run_dir": str(run_dir.resolve()),
-        # Checkpoints and outputs on object storage use the cache's endpoint options;
-        # credentials come from the environment, never from the spec.
+        # Checkpoints and outputs on object storage use the cache's endpoint options and,
+        # on its store, its credentials block by name (each rank reads it): never a secret.
         "checkpoint_storage_options": output_storage_options(config, paths["checkpoint_url"]),
         "settings": checks.settings if checks is not None else None,
         "samples_file": samples_file,

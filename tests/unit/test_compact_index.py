@@ -212,3 +212,23 @@ def test_compact_epoch_orders_equal_the_published_str_order(store):
         want = published_order(keys, 4, 7, rank, world, offset)
         assert ds.epoch_order(4, 7, rank, world, offset) == want
         assert epoch_order(ds.keys, 4, 7, rank, world, offset) == want
+
+
+def test_group_labels_name_what_differs_between_buckets():
+    """Buckets share the prompt's shape and differ in the latents: labels name the latents
+    (not the largest tensor, which is the same in every group), distinct and short."""
+    from splitstage.tasks.cache.compact_index import group_table
+
+    def spec(h: int, w: int, dtype: str = "float32") -> dict:
+        return {
+            "prompt_emb": {"dtype": "float32", "shape": [16, 384]},
+            "input_latents": {"dtype": dtype, "shape": [4, h, w]},
+            "extra": "json",
+        }
+
+    numbers, labels = group_table([spec(8, 8), spec(6, 10), spec(8, 8), spec(10, 6)])
+    assert numbers[0] == numbers[2] and len(set(numbers.tolist())) == 3
+    assert sorted(labels) == ["input_latents 4x10x6", "input_latents 4x6x10", "input_latents 4x8x8"]
+    assert group_table([spec(8, 8)])[1] == ["prompt_emb 16x384"]  # one group: its largest
+    _, mixed = group_table([spec(8, 8), spec(8, 8, "bfloat16")])
+    assert sorted(mixed) == ["input_latents bfloat16 4x8x8", "input_latents float32 4x8x8"]
