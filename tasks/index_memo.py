@@ -15,7 +15,7 @@ and a new memo. Losing it only costs time; a corrupt one is ignored with one war
 Format (safetensors, no pickle): text columns NUL-joined UTF-8 (`files`, `images`, `prompts`,
 `extras` as JSON or '', and `versions` for ETags), int64 `sizes` / `mtimes` / `lines`, uint8
 `keys` [N, 32], `skipped` as JSON bytes; the header holds the format, the rules digest, the data
-set URL, the metadata file's stat and the counts.
+set URL, the metadata file's stat, the counts and a CRC-32 of the columns (checked on load).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import sys
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,7 @@ def encode(
     tensors["skipped"] = np.frombuffer(skipped, np.uint8)
     source = result.rows[0].source if result.rows else ""
     meta = {
+        "crc32": str(_crc32(tensors)),
         "format": FORMAT,
         "rules": rules,
         "data_url": data_url,
@@ -167,7 +169,10 @@ def load(
         current = (meta.get("rules"), meta.get("data_url"), meta.get("metadata_stat"))
         if current != (rules, data_url, json.dumps(list(metadata_stat))):
             return None  # the code, settings or metadata file changed: not an error
-        return meta, st_load(data)
+        tensors = st_load(data)
+        if meta.get("crc32") != str(_crc32(tensors)):
+            raise ValueError("its checksum does not match its contents")
+        return meta, tensors
     except Exception as exc:
         log.warning("index memo %s is unusable (%s); indexing every row", url, exc)
         return None
@@ -205,17 +210,30 @@ def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> Index
     if digests.shape != (count, 32) or len(tensors["lines"]) != count:
         raise ValueError(f"its row columns disagree with its count {count}")
     keys = _HEX_KEY.findall(digests.tobytes().hex())
+    for name in ("images", "prompts", "extras"):  # split on first use; counted now
+        if count and int(np.count_nonzero(tensors[name] == 0)) != count - 1:
+            raise ValueError(f"its {name} column disagrees with its count {count}")
     rows = RowTable(
-        tensors["lines"].tolist(),
-        _split(tensors["images"], count),
-        _split(tensors["prompts"], count),
-        _split(tensors["extras"], count),
+        tensors["lines"],
+        tensors["images"].tobytes(),
+        tensors["prompts"].tobytes(),
+        tensors["extras"].tobytes(),
         meta["source"],
     )
     skipped = [
         (int(line), str(reason)) for line, reason in json.loads(tensors["skipped"].tobytes())
     ]
     return IndexResult(rows, keys, skipped, int(meta["duplicates"]), int(meta["hits"]))
+
+
+def _crc32(tensors: Mapping[str, np.ndarray]) -> int:
+    """CRC-32 of every column's bytes in name order: a flipped byte (a wrong prompt for a right
+    key) is caught on load, never used."""
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(tensors[name]).tobytes(), crc)
+    return crc
 
 
 def _extras_text(extras: Mapping[str, Any]) -> str | None:
