@@ -221,3 +221,16 @@ def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch
         got = file_stats.changed_files(str(tmp_path), _joined(rels), sizes, mtimes)
     assert got == list(range(10))
     assert len(caplog.records) == 1 and "checking here" in caplog.records[0].getMessage()
+
+
+def test_restored_index_travels_to_worker_processes(job):
+    """The preprocess coordinator hands its DataIndex to spawned workers: the memo's rows
+    survive the trip (as joined bytes) and give the same rows there."""
+    import pickle
+
+    config, _ = job
+    first = index_data_set(config)
+    again = index_data_set(config)
+    assert again.from_memo
+    travelled = pickle.loads(pickle.dumps(again))
+    assert list(travelled.rows) == list(first.rows) and travelled.keys == first.keys
