@@ -76,6 +76,7 @@ def summarize(
         "output_url": trained["output_url"],
         "weights": trained.get("outputs", {}),
         "sample_grids": trained.get("samples", {}),  # update -> validation grid URL
+        "sample_grids_by_size": trained.get("grids", {}),  # update -> every size's grid URL
         "latest": trained.get("latest"),
         "report_url": trained.get("report_url"),
         "warm_start_from": trained.get("warm_start_from"),

@@ -299,10 +299,21 @@ class Family:
         *,
         steps: int,
         guidance: float,
+        size: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Latents for each row of `cond` (guided away from `uncond`), from seeded noise; every
-        rank calls it alike (a sharded denoiser's forward is collective)."""
+        """Latents for each row of `cond` (guided away from `uncond`), from seeded noise, of
+        images `size` = (height, width) pixels (None: the square resolution, see sample_size);
+        every rank calls it alike (a sharded denoiser's forward is collective)."""
         raise NotImplementedError(f"the {self.name} family has no sampler yet")
+
+    def sample_size(self, size: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(height, width) pixels a sample is drawn at: `size`, or the square resolution."""
+        if size is not None:
+            return int(size[0]), int(size[1])
+        resolution = self.image_resolution()
+        if resolution is None:
+            raise ConfigError(f"the {self.name} family has no image resolution to sample at")
+        return resolution[0], resolution[0]
 
 
 def index_shard_paths(index_path: str) -> list[str]:

@@ -267,14 +267,16 @@ class DemoFamily(Family):
         """Latents (scaled as the encoder gives them) -> images in [-1, 1]."""
         return decoder.decode(latents.to(next(decoder.parameters()).dtype))
 
-    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
-        """Flow-matching Euler from seeded noise, classifier-free guided, in latent space."""
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
+        """Flow-matching Euler from seeded noise, classifier-free guided, in latent space (the
+        DiT takes any latent grid of whole patches)."""
         dit = ctx.model(self.denoiser, "sample")
         dtype = next(dit.parameters()).dtype
-        side = self.config.pipeline.image_size // VAEEncoder.downsample
+        height, width = self.sample_size(size)
+        down = VAEEncoder.downsample
         channels = weights_config(self.model_source("vae").weights)["latent_channels"]
         count = cond["prompt_emb"].shape[0]
-        noise = torch.randn(count, channels, side, side, generator=generator)
+        noise = torch.randn(count, channels, height // down, width // down, generator=generator)
 
         def velocity(x: torch.Tensor, t: torch.Tensor, conditional: bool) -> torch.Tensor:
             text = cond if conditional else uncond

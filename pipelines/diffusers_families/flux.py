@@ -66,6 +66,9 @@ class FluxFamily(FlowTransformerFamily):
         }
         return TrainingStep((), pack(draw["target"]), draw["weight"], kwargs)
 
-    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
         """Flow-matching Euler, shifted for the image size; guidance goes to the model."""
-        return flux_sample(self, ctx, cond, uncond, generator, steps=steps, guidance=guidance)
+        size = self.sample_size(size)
+        return flux_sample(
+            self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
+        )

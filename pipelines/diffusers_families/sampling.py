@@ -35,21 +35,32 @@ def _step(scheduler, prediction, t, x, generator):
     return scheduler.step(prediction, t, x, **kwargs)[0]
 
 
-def unet_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance):
-    """SD / SDXL: scheduler loop over UNet predictions, classifier-free guided."""
+def vae_scale(family) -> int:
+    """Pixels per latent along a side, as diffusers' pipelines compute vae_scale_factor."""
+    return 2 ** (len(family.vae_config.get("block_out_channels", [0] * 4)) - 1)
+
+
+def latent_shape(family, size: tuple[int, int]) -> tuple[int, int]:
+    """The VAE latent (height, width) of images of `size` (height, width) pixels."""
+    return size[0] // vae_scale(family), size[1] // vae_scale(family)
+
+
+def unet_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance, size):
+    """SD / SDXL: scheduler loop over UNet predictions, classifier-free guided; `size` is the
+    images' (height, width) in pixels."""
     unet = ctx.model(family.denoiser, "sample")
     dtype = next(unet.parameters()).dtype
     scheduler = folder_scheduler(family.folder.index, family.scheduler_config)
     scheduler.set_timesteps(steps)
     count = cond["prompt_embeds"].shape[0]
     channels = int(family.vae_config["latent_channels"])
-    side = family.config.pipeline.resolution // 8
-    x = torch.randn(count, channels, side, side, generator=generator) * scheduler.init_noise_sigma
-    x = x.to(ctx.device)
+    height, width = latent_shape(family, size)
+    x = torch.randn(count, channels, height, width, generator=generator)
+    x = (x * scheduler.init_noise_sigma).to(ctx.device)
 
     def prediction(latents: torch.Tensor, t: torch.Tensor, conditional: bool) -> torch.Tensor:
         text = cond if conditional else uncond
-        kwargs = family.sampling_kwargs(ctx, text, count, dtype)
+        kwargs = family.sampling_kwargs(ctx, text, count, dtype, size)
         inp = scheduler.scale_model_input(latents, t).to(dtype)
         emb = text["prompt_embeds"].to(ctx.device, dtype)
         return unet(inp, t, emb, **kwargs, return_dict=False)[0].float()
@@ -60,7 +71,7 @@ def unet_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
     return x
 
 
-def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance):
+def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance, size):
     """SD3: FlowMatchEuler with the config's shift, classifier-free guided."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -70,8 +81,8 @@ def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guid
     scheduler.set_timesteps(steps)
     count = cond["prompt_embeds"].shape[0]
     channels = int(family.vae_config["latent_channels"])
-    side = family.config.pipeline.resolution // 8
-    x = torch.randn(count, channels, side, side, generator=generator).to(ctx.device)
+    height, width = latent_shape(family, size)
+    x = torch.randn(count, channels, height, width, generator=generator).to(ctx.device)
 
     def velocity(latents: torch.Tensor, t: torch.Tensor, conditional: bool) -> torch.Tensor:
         text = cond if conditional else uncond
@@ -89,7 +100,7 @@ def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guid
     return x
 
 
-def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance):
+def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance, size):
     """FLUX: packed latents, FlowMatchEuler shifted for the image size, embedded guidance."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -100,10 +111,10 @@ def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     count = cond["prompt_embeds"].shape[0]
     channels = int(family.vae_config["latent_channels"])
-    side = family.config.pipeline.resolution // 8
-    noise = torch.randn(count, channels, side, side, generator=generator).to(ctx.device)
+    height, width = latent_shape(family, size)
+    noise = torch.randn(count, channels, height, width, generator=generator).to(ctx.device)
     mu = calculate_shift(
-        (side // 2) ** 2,
+        (height // 2) * (width // 2),  # packed tokens: 2x2 latent patches
         config.get("base_image_seq_len", 256),
         config.get("max_image_seq_len", 4096),
         config.get("base_shift", 0.5),
@@ -132,8 +143,7 @@ def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
             return_dict=False,
         )[0].float()
         x = _step(scheduler, v, t, x, generator)
-    scale = 2 ** (len(family.vae_config.get("block_out_channels", [0] * 4)) - 1)
-    return FluxPipeline._unpack_latents(x, side * 8, side * 8, scale)
+    return FluxPipeline._unpack_latents(x, size[0], size[1], vae_scale(family))
 
 
 def vae_decode(family, vae, latents: torch.Tensor) -> torch.Tensor:

@@ -38,13 +38,19 @@ class UNetFamily(DiffusersFamily):
         """Extra UNet inputs (SDXL's added conditions)."""
         return {}
 
-    def sampling_kwargs(self, ctx: StepContext, text, count: int, dtype) -> dict[str, Any]:
-        """Extra UNet inputs when sampling (SDXL: pooled text and the target-size time ids)."""
+    def sampling_kwargs(
+        self, ctx: StepContext, text, count: int, dtype, size: tuple[int, int]
+    ) -> dict[str, Any]:
+        """Extra UNet inputs when sampling images of `size` (height, width) pixels (SDXL:
+        pooled text and the size time ids)."""
         return {}
 
-    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
         """The folder's scheduler over the UNet, classifier-free guided."""
-        return unet_sample(self, ctx, cond, uncond, generator, steps=steps, guidance=guidance)
+        size = self.sample_size(size)
+        return unet_sample(
+            self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
+        )
 
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
         """Noise, timesteps, x_t; epsilon or velocity target; optional min-SNR weights."""

@@ -75,6 +75,9 @@ class SD3Family(FlowTransformerFamily):
         }
         return TrainingStep((), draw["target"], draw["weight"], kwargs)
 
-    def sample(self, ctx, cond, uncond, generator, *, steps, guidance) -> torch.Tensor:
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
         """Flow-matching Euler with the scheduler's shift, classifier-free guided."""
-        return sd3_sample(self, ctx, cond, uncond, generator, steps=steps, guidance=guidance)
+        size = self.sample_size(size)
+        return sd3_sample(
+            self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
+        )

@@ -91,10 +91,13 @@ class SDXLFamily(UNetFamily):
                 values[name] = torch.where(mask, torch.zeros_like(value), value)
         return values
 
-    def sampling_kwargs(self, ctx: StepContext, text, count: int, dtype) -> dict[str, Any]:
-        """Pooled embedding and time ids of an uncropped square at the training resolution."""
-        size = self.config.pipeline.resolution
-        ids = torch.tensor([[size, size, 0, 0, size, size]] * count, dtype=dtype)
+    def sampling_kwargs(
+        self, ctx: StepContext, text, count: int, dtype, size: tuple[int, int]
+    ) -> dict[str, Any]:
+        """Pooled embedding and time ids of an uncropped image of the sampled (height, width),
+        as StableDiffusionXLPipeline: original size = target size, crop (0, 0)."""
+        height, width = size
+        ids = torch.tensor([[height, width, 0, 0, height, width]] * count, dtype=dtype)
         return {
             "added_cond_kwargs": {
                 "text_embeds": text["pooled_prompt_embeds"].to(ctx.device, dtype),

@@ -32,6 +32,7 @@ from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.resume import compare, run_settings
 from splitstage.tasks.stage2.tracking import tracker_names
+from splitstage.tasks.stage2.validation import check_validation_sizes
 from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
 from splitstage.tasks.validation_prompts import read_validation_prompts
 
@@ -367,6 +368,7 @@ def check_validation(config: SplitstageConfig, plan: JobPlan, result, *, strict:
         )
     family = plan.family
     family.check_sampling()
+    check_validation_sizes(config, family)
     stage2 = set(
         family.model_names if config.train.mode == "unsplit" else plan.split.models["stage2"]
     )

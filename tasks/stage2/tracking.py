@@ -83,17 +83,18 @@ class Tracking:
         if self.active:
             self.guard(self.accelerator.log, values, step=update)
 
-    def grid(self, update: int, png: bytes) -> None:
-        """A validation grid as an image in every tracker that takes images."""
+    def grid(self, update: int, png: bytes, tag: str = "samples") -> None:
+        """A validation grid as an image named `tag` (one per sampled size) in every tracker
+        that takes images."""
         if not self.active:
             return
         image = Image.open(io.BytesIO(png)).convert("RGB")
         for tracker in self.accelerator.trackers:
             if tracker.name == "tensorboard":
                 array = np.asarray(image)[None]
-                self.guard(tracker.log_images, {"samples": array}, update, dataformats="NHWC")
+                self.guard(tracker.log_images, {tag: array}, update, dataformats="NHWC")
             elif hasattr(tracker, "log_images"):
-                self.guard(tracker.log_images, {"samples": [image]}, update)
+                self.guard(tracker.log_images, {tag: [image]}, update)
 
     def end(self) -> None:
         """Flush and close the trackers (not accelerate's end_training: that would also tear

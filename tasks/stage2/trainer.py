@@ -352,6 +352,7 @@ class Trainer:
             "baseline_rss_mb": self.baseline_rss_mb,
             "outputs": outputs,
             "samples": {str(k): v for k, v in self.validator.samples.items()},
+            "grids": {str(k): v for k, v in self.validator.grids.items()},  # one per size
         }
         if self.dist.is_main:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))

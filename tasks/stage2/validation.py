@@ -3,7 +3,9 @@
 Every rank samples (a sharded denoiser's forward is collective) from the same seeded noise, so
 1 rank and N ranks draw the same images; rank 0 alone loads the decoder, only while decoding,
 writes a labelled grid under `<output>/samples/` and prints `samples update N: URL` (the flow
-publishes it as an artifact). A sampling failure is logged and never stops training.
+publishes it as an artifact). With `validation.sizes` every prompt is drawn at every size (each
+size from the seed afresh, so a size's images do not depend on the others), one grid per size.
+A sampling failure is logged and never stops training.
 """
 
 from __future__ import annotations
@@ -15,15 +17,53 @@ from typing import Any
 
 import torch
 
-from splitstage.pipelines.config import SplitstageConfig
+from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
 from splitstage.pipelines.sampling import grid_png
+from splitstage.pipelines.validation_config import size_label
 from splitstage.tasks.cache.storage import join, write_atomic
 from splitstage.tasks.outputs import open_output
 from splitstage.tasks.plan import JobPlan
 from splitstage.tasks.validation_prompts import Conditioning, encode, read_validation_prompts
 
 SAMPLES_FOLDER = "samples"
+GRID_TAG = "samples"  # the trackers' image name (a size's grid: "samples/768x512")
+Size = tuple[int, int]  # (height, width) pixels
+
+
+def check_validation_sizes(config: SplitstageConfig, family: Family) -> None:
+    """`validation.sizes` fit the family (checked before launch): it samples images of a chosen
+    size, and both sides are multiples of its side multiple (the VAE's and denoiser's patches)."""
+    settings = config.validation
+    if not settings.enabled or not settings.sizes:
+        return
+    resolution = family.image_resolution()
+    if resolution is None:
+        raise ConfigError(
+            f"validation.sizes: the {family.name} family does not sample images of a chosen "
+            "size; remove validation.sizes"
+        )
+    multiple = resolution[1]
+    for text, (height, width) in zip(settings.sizes, settings.sample_sizes(), strict=True):
+        if height % multiple or width % multiple:
+            near = [
+                max(multiple, (side + multiple // 2) // multiple * multiple)
+                for side in (width, height)
+            ]
+            raise ConfigError(
+                f"validation.sizes: {text!r}: both sides must be multiples of {multiple} for the "
+                f"{family.name} family; use '{near[0]}x{near[1]}'"
+            )
+
+
+def grid_name(update: int, size: Size | None) -> str:
+    """`update-NNNNNN.png` (the square default), or `update-NNNNNN-WxH.png` for a given size."""
+    return (
+        f"update-{update:06d}.png"
+        if size is None
+        else f"update-{update:06d}-{size_label(*size)}.png"
+    )
 
 
 def repeat_rows(values: dict[str, torch.Tensor], times: int) -> dict[str, torch.Tensor]:
@@ -45,14 +85,16 @@ class Validator:
         is_main: bool,
         log: Callable[[str], None],
         autocast: Callable[[], Any] = contextlib.nullcontext,
-        on_grid: Callable[[int, bytes], None] | None = None,
+        on_grid: Callable[[int, bytes, str], None] | None = None,
     ):
         self.config, self.plan, self.models, self.device = config, plan, models, device
         self.settings = config.validation
         self.output_url = output_url
         self.is_main, self.log, self.autocast = is_main, log, autocast
-        self.on_grid = on_grid  # e.g. the trackers' image logging
-        self.samples: dict[int, str] = {}
+        self.on_grid = on_grid  # e.g. the trackers' image logging: (update, png, tag)
+        self.samples: dict[int, str] = {}  # update -> the first grid's URL (the run report's)
+        self.grids: dict[int, list[str]] = {}  # update -> every grid's URL, in size order
+        self.sizes: list[Size | None] = list(self.settings.sample_sizes()) or [None]
         family = plan.family
         # Encode in-process when stage 2 holds the prompt encoders (trained, or unsplit).
         self.in_process = all(name in models for name in family.prompt_models())
@@ -64,7 +106,8 @@ class Validator:
         return self.settings.enabled and (update == total or bool(every and update % every == 0))
 
     def run(self, update: int) -> str | None:
-        """Sample, write the grid (rank 0); the grid's URL. Errors are logged, never raised."""
+        """Sample, write the grids (rank 0); the first grid's URL. Errors are logged, never
+        raised."""
         try:
             return self.sample_and_write(update)
         except Exception as error:  # noqa: BLE001 - sampling must never stop a run
@@ -92,8 +135,9 @@ class Validator:
                 )
         return self.cached
 
-    def draw(self) -> torch.Tensor:
-        """Latents for every prompt x images_per_prompt (collective on sharded models)."""
+    def draw(self, size: Size | None = None) -> torch.Tensor:
+        """Latents for every prompt x images_per_prompt at `size` (None: the family's square),
+        from the seed afresh (collective on sharded models)."""
         family = self.plan.family
         cond, uncond = self.conditioning()
         times = self.settings.images_per_prompt
@@ -108,33 +152,47 @@ class Validator:
             ctx = StepContext(self.models, self.device, settings=family.settings())
             with torch.no_grad(), self.autocast():
                 return family.sample(
-                    ctx, cond, uncond, generator, steps=self.settings.steps, guidance=guidance
+                    ctx,
+                    cond,
+                    uncond,
+                    generator,
+                    steps=self.settings.steps,
+                    guidance=guidance,
+                    size=size,
                 )
         finally:
             denoiser.train(was_training)
 
     def sample_and_write(self, update: int) -> str | None:
-        """Draw on every rank; decode and write the grid on rank 0."""
+        """Draw every size on every rank first (collective: a rank-0 decode failure must not
+        leave the other ranks in a forward), then decode and write each grid on rank 0."""
         if os.environ.get("SPLITSTAGE_FAULT_VALIDATION"):  # fault-injection tests
             raise RuntimeError("injected validation fault (SPLITSTAGE_FAULT_VALIDATION)")
-        latents = self.draw()
+        drawn = [(size, self.draw(size)) for size in self.sizes]
         if not self.is_main:
             return None
         family = self.plan.family
         decoder = family.load_decoder(self.device)  # only while decoding: freed right after
         try:
-            with torch.no_grad():
-                images = family.decode(decoder, latents)
+            for size, latents in drawn:
+                with torch.no_grad():
+                    images = family.decode(decoder, latents).cpu()
+                url = self.write_grid(update, size, images)
+                self.grids.setdefault(update, []).append(url)
+                self.samples.setdefault(update, url)
         finally:
             del decoder
-        prompts = self.settings.prompts
-        png = grid_png(images.cpu(), prompts, columns=self.settings.images_per_prompt)
+        return self.samples[update]
+
+    def write_grid(self, update: int, size: Size | None, images: torch.Tensor) -> str:
+        """Write one size's labelled grid, log its URL, hand it to the trackers; its URL."""
+        png = grid_png(images, self.settings.prompts, columns=self.settings.images_per_prompt)
         fs, root = open_output(self.config, self.output_url)
-        name = f"update-{update:06d}.png"
+        name = grid_name(update, size)
         write_atomic(fs, join(root, SAMPLES_FOLDER, name), png)
         url = f"{self.output_url.rstrip('/')}/{SAMPLES_FOLDER}/{name}"
-        self.samples[update] = url
         self.log(f"samples update {update}: {url}")
         if self.on_grid is not None:
-            self.on_grid(update, png)
+            tag = GRID_TAG if size is None else f"{GRID_TAG}/{size_label(*size)}"
+            self.on_grid(update, png, tag)
         return url
