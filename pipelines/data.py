@@ -83,6 +83,7 @@ class Scan:
     rels: list[str] = field(default_factory=list)  # each row's listing key (relative_key)
     absent: list[str] = field(default_factory=list)  # listing keys of rows skipped as not found
     metadata: tuple[DataSource, str, Any] | None = None  # (source, name, stat) of the metadata
+    metadata_bytes: bytes = b""  # the metadata file as read
 
 
 def find_metadata(base_path: str | Path | DataSource) -> str:
@@ -196,7 +197,27 @@ def scan_data_set(
     shown = meta.display(meta_rel)
     name = meta_rel.rsplit("/", 1)[-1]
     identity = meta.stat(meta_rel)  # before reading: a later edit can only make it look changed
-    records = metadata_files.records(meta.read_metadata(meta_rel), name, shown, MAX_LINE_CHARS)
+    data = meta.read_metadata(meta_rel)
+    records = metadata_files.records(data, name, shown, MAX_LINE_CHARS)
+    scan = scan_records(source, records, name, skip_bad_rows, check_images)
+    if not scan.rows and not scan.skipped:
+        raise DataError(f"metadata file {shown} has no rows; add one row per image")
+    scan.metadata = (meta, meta_rel, identity)
+    scan.metadata_bytes = data
+    return scan
+
+
+def scan_records(
+    source: DataSource,
+    records: metadata_files.Records,
+    name: str,
+    skip_bad_rows: bool,
+    check_images: bool = False,
+    listing: Listing | None = None,
+) -> Scan:
+    """Check `records` of metadata file `name` into rows and list the folders their images are
+    in (once; object stores: `listing` when given); bad rows raise or, with `skip_bad_rows`,
+    are skipped with their reason."""
     base = source.display("").rstrip("/") if not source.local else source.local_root
     rows: list[Row] = []
     skipped: list[Skipped] = []
@@ -210,7 +231,8 @@ def scan_data_set(
                 break
             skipped.append(Skipped(line, str(exc)))
     rels = [relative_key(r.image) for r in rows]
-    listing = source.listing(set(rels) if source.local else None)
+    if listing is None or source.local:
+        listing = source.listing(set(rels) if source.local else None)
     good: list[Row] = []
     good_rels: list[str] = []
     absent: list[str] = []
@@ -237,11 +259,9 @@ def scan_data_set(
         good_rels.append(rel)
     if first_error is not None:
         raise first_error
-    if not good and not skipped:
-        raise DataError(f"metadata file {shown} has no rows; add one row per image")
     skipped.sort(key=lambda s: s.line)
     scan = Scan(rows=good, skipped=skipped, listing=listing, source=source, rels=good_rels)
-    scan.absent, scan.metadata = absent, (meta, meta_rel, identity)
+    scan.absent = absent
     return scan
 
 

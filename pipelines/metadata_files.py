@@ -71,7 +71,7 @@ def _csv_problem(exc: csv.Error) -> str:
     return f"bad CSV ({text})"
 
 
-def csv_records(data: bytes, name: str, url: str) -> Records:
+def csv_records(data: bytes, name: str, url: str, line_offset: int = 0) -> Records:
     """Records of a CSV file (as csv.DictReader with restval=''; cells past the header go under
     None). Strict quoting: an unclosed quote is an error naming its row, never a caption that
     silently swallows the rest of the file."""
@@ -89,7 +89,7 @@ def csv_records(data: bytes, name: str, url: str) -> Records:
         )
     width = len(columns)
     while True:
-        start = reader.line_num + 1
+        start = reader.line_num + 1 + line_offset
         try:
             cells = next(reader)
         except StopIteration:
@@ -103,7 +103,7 @@ def csv_records(data: bytes, name: str, url: str) -> Records:
             record.update((c, "") for c in columns[len(cells) :])
         elif len(cells) > width:
             record[None] = cells[width:]
-        yield reader.line_num, record  # the file line a record ends on (blank lines count)
+        yield reader.line_num + line_offset, record  # the line a record ends on (blanks count)
 
 
 class _RepeatedKey(ValueError):
@@ -127,10 +127,12 @@ def json_kind(value: Any) -> str:
     return f"{kind or 'a number'} ({shown})"
 
 
-def jsonl_records(data: bytes, name: str, url: str, max_line_chars: int) -> Records:
+def jsonl_records(
+    data: bytes, name: str, url: str, max_line_chars: int, line_offset: int = 0
+) -> Records:
     """Records of a JSONL file; a bad line is a row error (so skip_bad_rows can skip it)."""
     lines = io.StringIO(decode_text(data, name, url), newline=None)
-    for line_no, line in enumerate(lines, start=1):
+    for line_no, line in enumerate(lines, start=1 + line_offset):
         if not line.strip():
             continue
         where = f"{name} row {line_no}"
@@ -198,13 +200,14 @@ def parquet_records(data: bytes, name: str, url: str) -> Records:
         yield number, dict(zip(columns, cells))
 
 
-def records(data: bytes, name: str, url: str, max_line_chars: int) -> Records:
-    """The records of a metadata file, by its suffix (.csv, .jsonl, .parquet)."""
+def records(data: bytes, name: str, url: str, max_line_chars: int, line_offset: int = 0) -> Records:
+    """The records of a metadata file, by its suffix (.csv, .jsonl, .parquet); `line_offset`
+    numbers the rows of an appended part (csv: after its header line) as in the whole file."""
     suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     if suffix == ".csv":
-        return csv_records(data, name, url)
+        return csv_records(data, name, url, line_offset)
     if suffix == ".jsonl":
-        return jsonl_records(data, name, url, max_line_chars)
+        return jsonl_records(data, name, url, max_line_chars, line_offset)
     if suffix == ".parquet":
         return parquet_records(data, name, url)
     raise DataError(

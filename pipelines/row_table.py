@@ -5,7 +5,7 @@ splitting its text columns) up front."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import Any, overload
 
@@ -59,6 +59,25 @@ class RowTable(Sequence[Row]):
     def __iter__(self) -> Iterator[Row]:
         return (self._row(i) for i in range(len(self)))
 
+    def plus(self, rows: Sequence[Row]) -> RowTable | None:
+        """This table with `rows` after it; None when a row's fields cannot be kept as text
+        (a NUL, or extra fields JSON would not give back as they are)."""
+        if not rows:
+            return self
+        if any(row.source != self.source for row in rows):
+            return None
+        extras = [extras_text(row.extras) for row in rows]
+        texts = ([r.image for r in rows], [r.prompt for r in rows], extras)
+        if None in extras or any(_SEP in t for column in texts for t in column):
+            return None
+        count = len(self.lines)
+        joined = tuple(
+            (old + _SEP.encode() if count else b"") + _SEP.join(column).encode("utf-8")
+            for old, column in zip(self._joined, texts, strict=True)
+        )
+        lines = np.concatenate([self.lines, np.array([r.line for r in rows], np.int64)])
+        return RowTable(lines, *joined, self.source)
+
     def __getstate__(self) -> dict[str, Any]:  # to worker processes: the joined bytes only
         return {"lines": self.lines, "source": self.source, "_joined": self._joined}
 
@@ -66,3 +85,15 @@ class RowTable(Sequence[Row]):
         images, prompts, extras = self._text
         fields: dict[str, Any] = json.loads(extras[i]) if extras[i] else {}
         return Row(int(self.lines[i]), images[i], prompts[i], fields, self.source)
+
+
+def extras_text(extras: Mapping[str, Any]) -> str | None:
+    """Extra fields as JSON text ('' for none); None when JSON would not give them back as they
+    are (e.g. dates or bytes from parquet), so such rows are never kept wrongly."""
+    if not extras:
+        return ""
+    try:
+        text = json.dumps(extras, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+    return text if json.loads(text) == extras else None

@@ -7,18 +7,22 @@ files the hash memo (`tasks.hash_memo`) does not know at their current size and 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from splitstage.pipelines import metadata_files
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.pipelines.data import (
+    MAX_LINE_CHARS,
     DataError,
     Row,
     locate_metadata,
     read_image_bytes,
     sample_key_of_digest,
     scan_data_set,
+    scan_records,
 )
 from splitstage.pipelines.data_source import DataSource, open_data_source
 from splitstage.pipelines.images import check_file_size
@@ -48,6 +52,7 @@ class DataIndex:
     hashed: int = 0  # images read and hashed in this run
     memo_hits: int = 0  # images whose hash came from the memo
     from_memo: bool = False  # True: rows and keys came from the index memo (nothing changed)
+    grown: int = 0  # rows appended to the metadata file: all that was parsed (0: none / all)
 
 
 def _read_digests(
@@ -104,7 +109,8 @@ def _read_error(row: Row, source: DataSource, rel: str, exc: BaseException) -> D
 def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIndex:
     """Read the metadata, list the data set once, and key every sample by content (hashing only
     the images the memo does not know); bad rows raise or are counted. A rerun with nothing
-    changed takes everything from the index memo (`tasks.index_memo`) after one stat per file."""
+    changed takes everything from the index memo (`tasks.index_memo`) after one stat per file;
+    rows appended to a csv / jsonl file are all it parses then (`_grown`)."""
     data = config.data
     source = open_data_source(data)
     memo_at = memo_location(config.cache, source) if use_memo else None
@@ -115,10 +121,32 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
     scan = scan_data_set(source, data.metadata_path, skip_bad_rows=data.skip_bad_rows)
     rows = scan.rows if data.limit is None else scan.rows[: data.limit]
     rels = scan.rels[: len(rows)]
-    files = scan.listing.files
-    memo = HashMemo(scan.listing.by_mtime)
+    memo = load_memo(*memo_at, source) if memo_at is not None else HashMemo()
+    index = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
+    keyed = _key_rows(index, rows, rels, scan.listing, memo, source, data.skip_bad_rows, set())
+    if not index.rows:
+        raise DataError(
+            f"data set {data.base_path}: no usable rows ({len(index.skipped)} skipped); "
+            "check data.base_path and data.metadata_path"
+        )
     if memo_at is not None:
-        memo = load_memo(*memo_at, source)
+        fresh, found, failed = keyed
+        if needs_save(scan.listing, fresh, len(memo), index.memo_hits):
+            encoded = HashMemo.encode(scan.listing, found, data_url_of(source))
+            if encoded is not None:
+                save_memo(*memo_at, encoded)
+        if not failed:
+            name = scan.metadata[1]
+            grows = name.lower().endswith((".csv", ".jsonl"))
+            whole = scan.metadata_bytes if grows else b""
+            _save_index(memo_at, source, data, scan, index, rels, len(found), whole)
+    return index
+
+
+def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str]):
+    """Key `rows` (digests from the memo, else read) into `index`: kept rows and keys, skipped
+    unreadable ones, duplicates of `seen` or of each other; (fresh, found digests, failed)."""
+    files = listing.files
     found: dict[str, bytes] = {}
     todo: list[tuple[Row, str]] = []
     wanted: set[str] = set()
@@ -133,12 +161,10 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
         else:
             found[rel] = digest
     hits = len(found)
-    fresh, bad, failed = _read_digests(source, todo, files, data.skip_bad_rows)
+    fresh, bad, failed = _read_digests(source, todo, files, skip)
     found.update(fresh)
-    index = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
     index.source, index.hashed, index.memo_hits = source, len(fresh), hits
     index.skipped += bad
-    seen: set[str] = set()
     for row, rel in zip(rows, rels, strict=True):
         digest = found.get(rel)
         if digest is None:  # its image could not be read (skip_bad_rows)
@@ -151,23 +177,12 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
         index.rows.append(row)
         index.keys.append(key)
     index.skipped.sort()
-    if not index.rows:
-        raise DataError(
-            f"data set {data.base_path}: no usable rows ({len(index.skipped)} skipped); "
-            "check data.base_path and data.metadata_path"
-        )
-    if memo_at is not None:
-        if needs_save(scan.listing, fresh, len(memo), hits):
-            encoded = HashMemo.encode(scan.listing, found, data_url_of(source))
-            if encoded is not None:
-                save_memo(*memo_at, encoded)
-        if not failed:
-            _save_index(memo_at, source, data, scan, index, rels, len(found))
-    return index
+    return fresh, found, failed
 
 
 def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
-    """The data index from a still-valid index memo, else None (the full build runs)."""
+    """The data index from a still-valid index memo (or one rows were appended to), else None
+    (the full build runs)."""
     fs, path, url = memo_at
     url = index_memo.index_memo_path(url)
     try:
@@ -177,16 +192,13 @@ def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
     stat = meta_source.stat(rel)
     rules = index_memo.rules_digest(data, meta_source.display(rel))
     got = index_memo.load(
-        fs,
-        index_memo.index_memo_path(path),
-        url,
-        data_url=data_url_of(source),
-        rules=rules,
-        metadata_stat=stat,
+        fs, index_memo.index_memo_path(path), url, data_url=data_url_of(source), rules=rules
     )
-    if got is None:
+    if got is None or stat is None:
         return None
     try:
+        if got[0].get("metadata_stat") != json.dumps(list(stat)):
+            return _grown(memo_at, source, data, got, (meta_source, rel, stat))
         if not index_memo.still_valid(*got, source):
             return None
         result = index_memo.restore(*got)
@@ -199,7 +211,57 @@ def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
     return index
 
 
-def _save_index(memo_at, source, data, scan, index: DataIndex, rels, hits: int) -> None:
+def _grown(memo_at, source, data, got, metadata) -> DataIndex | None:
+    """Rows appended to the metadata file since the memo, with every file the memo depended on
+    unchanged: parse, check and key only the new lines; None when that does not hold (or the
+    new part has a file-level error: the full build then names it as in the whole file)."""
+    meta_source, rel, stat = metadata
+    name = rel.rsplit("/", 1)[-1]
+    if data.limit is not None:
+        return None
+    whole = meta_source.read_metadata(rel)
+    part = index_memo.appended(got[0], whole, name)
+    if part is None:
+        return None
+    listing = None if source.local else source.listing()  # one listing for both on stores
+    if not index_memo.still_valid(*got, source, listing):
+        return None
+    old = index_memo.restore(*got)
+    shown = meta_source.display(rel)
+    try:
+        records = metadata_files.records(part[0], name, shown, MAX_LINE_CHARS, part[1])
+        scan = scan_records(source, records, name, data.skip_bad_rows, listing=listing)
+    except DataError:
+        return None
+    memo = load_memo(*memo_at, source)
+    new = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
+    fresh, found, failed = _key_rows(
+        new, scan.rows, scan.rels, scan.listing, memo, source, data.skip_bad_rows, set(old.keys)
+    )
+    rows = old.rows.plus(new.rows)
+    if rows is None or failed:
+        return None
+    index = DataIndex(
+        rows=rows, keys=old.keys + new.keys, skipped=sorted(old.skipped + new.skipped)
+    )
+    index.duplicates = old.duplicates + new.duplicates
+    index.source, index.hashed, index.memo_hits = source, new.hashed, old.hits + new.memo_hits
+    index.grown = len(scan.rows) + len(scan.skipped)
+    if fresh:
+        encoded = memo.encode_with(scan.listing, fresh, data_url_of(source))
+        if encoded is not None:
+            save_memo(*memo_at, encoded)
+    listing = index_memo.merged_listing(got, scan.listing)
+    scan.metadata, scan.metadata_bytes = metadata, whole
+    scan.absent = index_memo.absent_of(got) + scan.absent
+    depends = index_memo.files_of(got) + scan.rels
+    _save_index(memo_at, source, data, scan, index, depends, len(found) + old.hits, whole, listing)
+    return index
+
+
+def _save_index(
+    memo_at, source, data, scan, index: DataIndex, rels, hits: int, whole: bytes, listing=None
+) -> None:
     """Keep this build as the index memo when every file it depended on may be trusted."""
     fs, path, url = memo_at
     meta_source, rel, stat = scan.metadata
@@ -209,9 +271,10 @@ def _save_index(memo_at, source, data, scan, index: DataIndex, rels, hits: int) 
         data_url=data_url_of(source),
         rules=index_memo.rules_digest(data, meta_source.display(rel)),
         metadata_stat=stat,
-        listing=scan.listing,
+        listing=listing or scan.listing,
         depends=rels,
         absent=scan.absent,
+        metadata_bytes=whole,
     )
     if encoded is not None:
         save_memo(fs, index_memo.index_memo_path(path), index_memo.index_memo_path(url), encoded)

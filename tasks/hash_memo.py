@@ -63,31 +63,38 @@ class HashMemo:
     def encode(listing: Listing, digests: Mapping[str, bytes], data_url: str) -> bytes | None:
         """The memo bytes for `digests` (path -> sha256) as the listing saw the files; None when
         no entry may be kept (all racy, or none)."""
-        margin = listing.started_ns - TRUST_MARGIN_NS
-        files = listing.files
-        keep = [
-            p
-            for p in digests
-            if files[p][1] is not None and (not listing.by_mtime or files[p][1] < margin)
-        ]
+        keep = _trusted(listing, digests)
         if not keep:
             return None
-        tensors = {
-            "paths": np.frombuffer(_SEP.join(keep).encode("utf-8"), dtype=np.uint8),
-            "sizes": np.fromiter((files[p][0] for p in keep), dtype=np.int64, count=len(keep)),
-            "digests": np.frombuffer(b"".join(digests[p] for p in keep), dtype=np.uint8).reshape(
-                -1, 32
-            ),
-        }
-        if listing.by_mtime:
-            versions = (files[p][1] for p in keep)
-            tensors["mtimes"] = np.fromiter(versions, dtype=np.int64, count=len(keep))
-        else:
-            joined = _SEP.join(str(files[p][1]) for p in keep).encode("utf-8")
-            tensors["versions"] = np.frombuffer(joined, dtype=np.uint8)
-        meta = {"format": FORMAT, "data_url": data_url, "count": str(len(keep))}
-        meta["versions"] = "mtime_ns" if listing.by_mtime else "etag"
-        return st_save(tensors, metadata=meta)
+        files = listing.files
+        sizes = [files[p][0] for p in keep]
+        versions = [files[p][1] for p in keep]
+        joined = b"".join(digests[p] for p in keep)
+        return _columns(keep, sizes, versions, joined, listing.by_mtime, data_url)
+
+    def encode_with(
+        self, listing: Listing, digests: Mapping[str, bytes], data_url: str
+    ) -> bytes | None:
+        """The memo bytes of this memo's entries plus `digests` as the listing saw the files
+        (rows appended: the old entries are kept without listing their files again)."""
+        keep = _trusted(listing, digests)
+        if not keep or listing.by_mtime != self.by_mtime:
+            return None
+        paths = list(self._index)
+        sizes, versions = list(self._sizes), list(self._versions)
+        blob = bytearray(self._digests)
+        for p in keep:
+            size, version = listing.files[p]
+            i = self._index.get(p)
+            if i is None:
+                paths.append(p)
+                sizes.append(size)
+                versions.append(version)
+                blob += digests[p]
+            else:
+                sizes[i], versions[i] = size, version
+                blob[32 * i : 32 * i + 32] = digests[p]
+        return _columns(paths, sizes, versions, bytes(blob), self.by_mtime, data_url)
 
     @classmethod
     def decode(cls, data: bytes, data_url: str) -> HashMemo:
@@ -118,6 +125,41 @@ class HashMemo:
             raise ValueError("it names a path twice")
         memo._sizes, memo._versions, memo._digests = sizes, versions, digests.tobytes()
         return memo
+
+
+def _trusted(listing: Listing, digests: Mapping[str, bytes]) -> list[str]:
+    """The paths of `digests` that may be kept: a known version, and on disks an mtime older
+    than the listing's start by TRUST_MARGIN_NS."""
+    margin = listing.started_ns - TRUST_MARGIN_NS
+    files = listing.files
+    return [
+        p
+        for p in digests
+        if files[p][1] is not None and (not listing.by_mtime or files[p][1] < margin)
+    ]
+
+
+def _columns(
+    paths: list[str],
+    sizes: list[int],
+    versions: list[Any],
+    digests: bytes,
+    by_mtime: bool,
+    data_url: str,
+) -> bytes:
+    """The memo file: columns and header (see the module docstring)."""
+    tensors = {
+        "paths": np.frombuffer(_SEP.join(paths).encode("utf-8"), dtype=np.uint8),
+        "sizes": np.array(sizes, dtype=np.int64),
+        "digests": np.frombuffer(digests, dtype=np.uint8).reshape(-1, 32),
+    }
+    if by_mtime:
+        tensors["mtimes"] = np.array(versions, dtype=np.int64)
+    else:
+        tensors["versions"] = np.frombuffer(_SEP.join(map(str, versions)).encode(), np.uint8)
+    meta = {"format": FORMAT, "data_url": data_url, "count": str(len(paths))}
+    meta["versions"] = "mtime_ns" if by_mtime else "etag"
+    return st_save(tensors, metadata=meta)
 
 
 def needs_save(listing: Listing, fresh: Mapping[str, bytes], loaded: int, hits: int) -> bool:

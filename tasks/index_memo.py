@@ -39,7 +39,7 @@ from safetensors.numpy import save as st_save
 from splitstage.pipelines.data import Row
 from splitstage.pipelines.data_source import DataSource, Listing
 from splitstage.pipelines.file_stats import changed_files
-from splitstage.pipelines.row_table import RowTable
+from splitstage.pipelines.row_table import RowTable, extras_text
 from splitstage.pipelines.safetensors_io import read_metadata
 from splitstage.tasks.hash_memo import TRUST_MARGIN_NS
 
@@ -95,6 +95,7 @@ def encode(
     listing: Listing,
     depends: Sequence[str],
     absent: Sequence[str],
+    metadata_bytes: bytes = b"",
 ) -> bytes | None:
     """The memo bytes; None when it may not be kept (a racy file, an unknown version, or text
     that cannot be stored)."""
@@ -106,7 +107,7 @@ def encode(
         margin = listing.started_ns - TRUST_MARGIN_NS
         if metadata_stat[1] >= margin or any(s[1] >= margin for s in stats):
             return None
-    extras = [_extras_text(row.extras) for row in result.rows]
+    extras = [extras_text(row.extras) for row in result.rows]
     text = {
         "files": _join(files),
         "images": _join([row.image for row in result.rows]),
@@ -145,16 +146,39 @@ def encode(
         "hits": str(result.hits),
         "source": source,
     }
+    if metadata_bytes:  # so that rows appended later are all a rerun parses (`appended`)
+        meta["metadata_length"] = str(len(metadata_bytes))
+        meta["metadata_sha256"] = hashlib.sha256(metadata_bytes).hexdigest()
     return st_save(tensors, metadata=meta)
 
 
-def load(
-    fs: Any, path: str, url: str, *, data_url: str, rules: str, metadata_stat: Any
-) -> tuple[dict[str, str], dict[str, np.ndarray]] | None:
-    """The memo's header and columns when it was made by these rules for this data set and
-    metadata file; None when missing, made for something else, or (with a warning) corrupt."""
-    if metadata_stat is None:
+def appended(meta: Mapping[str, str], data: bytes, name: str) -> tuple[bytes, int] | None:
+    """(what to parse, line offset) when metadata file `name` (csv / jsonl) only grew since the
+    memo: its recorded bytes are the start of `data` and end at a line end. CSV gets its header
+    line in front, so records and messages number lines as in the whole file. Else None."""
+    length, digest = int(meta.get("metadata_length", 0)), meta.get("metadata_sha256")
+    kind = name.lower().rsplit(".", 1)[-1]
+    if kind not in ("csv", "jsonl") or not digest or not 0 < length < len(data):
         return None
+    prefix, tail = data[:length], data[length:]
+    if not prefix.endswith(b"\n") or b"\r" in prefix or tail.startswith(b"\xef\xbb\xbf"):
+        return None  # \r: line counts would depend on how each parser reads it
+    if hashlib.sha256(prefix).hexdigest() != digest:
+        return None
+    lines = prefix.count(b"\n")
+    if kind == "jsonl":
+        return tail, lines
+    header = prefix[: prefix.index(b"\n") + 1]
+    if b'"' in header:  # a quoted header could span lines
+        return None
+    return header + tail, lines - 1
+
+
+def load(
+    fs: Any, path: str, url: str, *, data_url: str, rules: str
+) -> tuple[dict[str, str], dict[str, np.ndarray]] | None:
+    """The memo's header and columns when it was made by these rules for this data set; None
+    when missing, made for something else, or (with a warning) corrupt."""
     try:
         data = fs.cat_file(path)
     except FileNotFoundError:
@@ -166,9 +190,8 @@ def load(
         meta = read_metadata(data)
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-        current = (meta.get("rules"), meta.get("data_url"), meta.get("metadata_stat"))
-        if current != (rules, data_url, json.dumps(list(metadata_stat))):
-            return None  # the code, settings or metadata file changed: not an error
+        if (meta.get("rules"), meta.get("data_url")) != (rules, data_url):
+            return None  # the code, the settings or the data set changed: not an error
         tensors = st_load(data)
         if meta.get("crc32") != str(_crc32(tensors)):
             raise ValueError("its checksum does not match its contents")
@@ -178,10 +201,39 @@ def load(
         return None
 
 
+def files_of(got: tuple[Mapping[str, str], Mapping[str, np.ndarray]]) -> list[str]:
+    """The files the memo's result depended on."""
+    return _split(got[1]["files"], int(got[0]["files"]))
+
+
+def absent_of(got: tuple[Mapping[str, str], Mapping[str, np.ndarray]]) -> list[str]:
+    """The files of rows the memo skipped as not found."""
+    return _split(got[1]["absent"], None)
+
+
+def merged_listing(
+    got: tuple[Mapping[str, str], Mapping[str, np.ndarray]], listing: Listing
+) -> Listing:
+    """`listing` plus the memo's files as it recorded them (checked unchanged by the caller)."""
+    meta, tensors = got
+    files = files_of(got)
+    if listing.by_mtime:
+        versions: list[Any] = tensors["mtimes"].tolist()
+    else:
+        versions = _split(tensors["versions"], len(files))
+    merged = dict(zip(files, zip(tensors["sizes"].tolist(), versions, strict=True), strict=True))
+    merged.update(listing.files)
+    return Listing(merged, listing.started_ns, listing.by_mtime)
+
+
 def still_valid(
-    meta: Mapping[str, str], tensors: Mapping[str, np.ndarray], source: DataSource
+    meta: Mapping[str, str],
+    tensors: Mapping[str, np.ndarray],
+    source: DataSource,
+    listing: Listing | None = None,
 ) -> bool:
-    """True when every file the memo depended on is as recorded, and absent ones still are."""
+    """True when every file the memo depended on is as recorded, and absent ones still are
+    (object stores: from `listing`, else one made now)."""
     count = int(meta["files"])
     absent = _split(tensors["absent"], None)
     sizes = tensors["sizes"]
@@ -195,7 +247,7 @@ def still_valid(
             return False
         return not any(os.path.isfile(os.path.join(root, rel)) for rel in absent)
     files = _split(tensors["files"], count)
-    listing = source.listing()
+    listing = listing or source.listing()
     versions = _split(tensors["versions"], len(files))
     now = [listing.files.get(p) for p in files]
     if now != list(zip(sizes.tolist(), versions)):
@@ -234,18 +286,6 @@ def _crc32(tensors: Mapping[str, np.ndarray]) -> int:
         crc = zlib.crc32(name.encode(), crc)
         crc = zlib.crc32(np.ascontiguousarray(tensors[name]).tobytes(), crc)
     return crc
-
-
-def _extras_text(extras: Mapping[str, Any]) -> str | None:
-    """Extra fields as JSON text ('' for none); None when JSON would not give them back as they
-    are (e.g. dates or bytes from parquet), so such a data set is never memoized wrongly."""
-    if not extras:
-        return ""
-    try:
-        text = json.dumps(extras, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError):
-        return None
-    return text if json.loads(text) == extras else None
 
 
 def _join(values: Sequence[str]) -> bytes | None:

@@ -158,6 +158,15 @@ def test_two_workers_without_shared_disk_and_a_rerun_after_changes(
     manifest = open_cache(parsed, make_plan(parsed)).read_manifest()
     assert set(manifest["samples"]) == new_keys  # stage 2's sample set: the deleted one is gone
 
+    # a night's new rows appended to the metadata: only they are parsed, read and keyed
+    assert index_data_set(parsed).from_memo
+    meta = "bucket/prefix/data/metadata.csv"
+    fs.pipe({"bucket/prefix/data/img/12.png": _png(12), meta: fs.cat(meta) + b"img/12.png,d12\n"})
+    grown = index_data_set(parsed)
+    assert (grown.grown, grown.hashed) == (1, 1) and not grown.from_memo
+    assert set(grown.keys) == new_keys | {sample_key(_png(12), "d12", {})}
+    assert grown.keys == index_data_set(parsed, use_memo=False).keys
+
 
 @pytest.mark.usefixtures("prefect_harness")
 def test_credentials_from_a_prefect_block_read_data_and_write_cache(

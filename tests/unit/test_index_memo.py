@@ -16,6 +16,7 @@ from PIL import Image
 
 from splitstage.pipelines import file_stats, metadata_files
 from splitstage.pipelines.config import config_from_dict
+from splitstage.pipelines.data import DataError
 from splitstage.tasks import index_memo
 from splitstage.tasks.data_index import index_data_set
 from splitstage.tasks.hash_memo import FOLDER
@@ -234,3 +235,104 @@ def test_restored_index_travels_to_worker_processes(job):
     assert again.from_memo
     travelled = pickle.loads(pickle.dumps(again))
     assert list(travelled.rows) == list(first.rows) and travelled.keys == first.keys
+
+
+# -- rows appended: only the new lines are parsed ---------------------------------------------
+def _append(data: Path, lines: list[str], name: str = "metadata.csv", age: bool = True) -> None:
+    with open(data / name, "a") as fh:
+        fh.write("\n".join(lines) + "\n")
+    if age:
+        _age(data / name)
+
+
+@pytest.mark.parametrize(
+    "added",
+    [
+        ["img/6.png,picture 6,s6", "img/7.png,picture 7,s7"],
+        ["img/copy2.png,picture 0,s0", "img/6.png,picture 6,s6"],  # a duplicate of row 2
+        ['img/6.png,"a, quoted caption",s6', "", "img/gone2.png,never there,s1"],  # blank, missing
+        ["img/6.png,picture 6", "img/7.png,too,many,cells"],  # a bad row, skipped
+    ],
+)
+def test_appended_csv_rows_are_all_that_is_parsed(job, added, monkeypatch):
+    config, data = job
+    for i in (6, 7):
+        _image(data / "img" / f"{i}.png", (i * 30, 1, 1))
+    _image(data / "img" / "copy2.png", (0, 10, 10))  # the bytes of 0.png
+    index_data_set(config)
+    _append(data, added, age=False)  # just written: its memo entry waits for the next run
+    seen = []
+    real = metadata_files.records
+
+    def counted(payload, *args, **kwargs):
+        seen.append(payload.count(b"\n"))
+        return real(payload, *args, **kwargs)
+
+    monkeypatch.setattr(metadata_files, "records", counted)
+    got = index_data_set(config)
+    assert got.grown == len([a for a in added if a]) and not got.from_memo
+    assert seen == [len(added) + 1]  # the header line and the appended lines, nothing else
+    _same(got, _truth(config))
+    _age(data / "metadata.csv")
+    again = index_data_set(config)  # the metadata aged: a memo of the whole file is kept
+    _same(again, _truth(config))
+    assert index_data_set(config).from_memo
+
+
+def test_appended_jsonl_lines_keep_their_line_numbers(tmp_path):
+    data = tmp_path / "data"
+    for i in range(3):
+        _image(data / f"{i}.png", (i, 2, 3))
+    rows = [json.dumps({"image": f"{i}.png", "prompt": f"p {i}", "n": i}) for i in range(2)]
+    _metadata(data, rows, "metadata.jsonl")
+    config = _config(tmp_path, data, skip_bad_rows=True)
+    index_data_set(config)
+    _append(data, ["{not json", json.dumps({"image": "2.png", "prompt": "p 2"})], "metadata.jsonl")
+    got = index_data_set(config)
+    assert got.grown == 2
+    _same(got, _truth(config))
+    assert got.skipped[0][0] == 3 and "row 3" in got.skipped[0][1]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "old image edited",
+        "old line edited",
+        "unclosed quote appended",
+        "not utf-8 appended",
+        "crlf file",
+    ],
+)
+def test_growth_that_cannot_be_trusted_is_the_full_build(job, change):
+    config, data = job
+    _image(data / "img" / "6.png", (99, 1, 1))
+    if change == "crlf file":
+        text = (data / "metadata.csv").read_text()
+        (data / "metadata.csv").write_bytes(text.replace("\n", "\r\n").encode())
+        _age(data / "metadata.csv")
+    index_data_set(config)
+    if change == "old image edited":
+        _image(data / "img" / "1.png", (1, 99, 1))
+        _age(data / "img" / "1.png", 30)
+    elif change == "old line edited":
+        text = (data / "metadata.csv").read_text().replace("picture 1", "picture X")
+        _metadata(data, text.splitlines())
+    if change == "unclosed quote appended":
+        _append(data, ['img/6.png,"never closed,s6'])
+    elif change == "not utf-8 appended":
+        with open(data / "metadata.csv", "ab") as fh:
+            fh.write(b"img/6.png,caf\xe9,s6\n")
+        _age(data / "metadata.csv")
+    else:
+        _append(data, ["img/6.png,picture 6,s6"])
+    if change.endswith("appended"):
+        with pytest.raises(DataError) as error:
+            index_data_set(config)
+        with pytest.raises(DataError) as truth:
+            _truth(config)
+        assert str(error.value) == str(truth.value)  # numbered as in the whole file
+        return
+    got = index_data_set(config)
+    assert got.grown == 0
+    _same(got, _truth(config))
