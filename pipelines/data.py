@@ -213,11 +213,9 @@ def scan_records(
     name: str,
     skip_bad_rows: bool,
     check_images: bool = False,
-    listing: Listing | None = None,
 ) -> Scan:
     """Check `records` of metadata file `name` into rows and list the folders their images are
-    in (once; object stores: `listing` when given); bad rows raise or, with `skip_bad_rows`,
-    are skipped with their reason."""
+    in (once); bad rows raise or, with `skip_bad_rows`, are skipped with their reason."""
     base = source.display("").rstrip("/") if not source.local else source.local_root
     rows: list[Row] = []
     skipped: list[Skipped] = []
@@ -231,8 +229,7 @@ def scan_records(
                 break
             skipped.append(Skipped(line, str(exc)))
     rels = [relative_key(r.image) for r in rows]
-    if listing is None or source.local:
-        listing = source.listing(set(rels) if source.local else None)
+    listing = source.listing(set(rels))
     good: list[Row] = []
     good_rels: list[str] = []
     absent: list[str] = []

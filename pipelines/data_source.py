@@ -8,12 +8,15 @@ A listing maps each file's path relative to the base (as rows name it, '/'-separ
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
+
+from fsspec.asyn import sync
 
 from splitstage.pipelines import urls
 from splitstage.pipelines.images import DataError
@@ -22,6 +25,8 @@ from splitstage.pipelines.urls import redact, scrub
 from splitstage.splitter import UserError
 
 READ_BATCH = 256  # objects read in one batched (concurrent) call on object stores
+LIST_CONCURRENCY = 32  # folder listings in flight on object stores
+MAX_LISTED_FOLDERS = 4096  # more folders than this: one listing of the whole prefix
 _sources: dict[str, DataSource] = {}
 _lock = threading.Lock()
 
@@ -130,13 +135,18 @@ class DataSource:
     # ---- listing ---------------------------------------------------------------------------
     def listing(self, images: Iterable[str] | None = None) -> Listing:
         """One listing of the data set's files. On disks only the folders that `images` (row
-        paths) name are scanned (never a whole tree above them); on object stores, the prefix."""
+        paths) name are scanned (never a whole tree above them); on object stores, the prefix,
+        or the folders `images` name, listed concurrently (`_folders_to_list`)."""
         started = time.time_ns()
         if self.local:
             return Listing(self._list_local(images), started, True)
         try:
             self.fs.invalidate_cache(self.root)
-            found = self.fs.find(self.root, detail=True)
+            folders = _folders_to_list(images) if getattr(self.fs, "async_impl", False) else None
+            if folders:
+                found = self._find_concurrently(folders)
+            else:
+                found = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             found = {}
         except Exception as exc:
@@ -147,6 +157,27 @@ class DataSource:
             if info.get("type", "file") != "directory":
                 files[name[prefix:]] = (int(info.get("size") or 0), _version(info))
         return Listing(files, started, False)
+
+    def _find_concurrently(self, folders: list[str]) -> dict[str, Any]:
+        """`find` of each folder under the base, LIST_CONCURRENCY at a time (one object store
+        listing is a chain of 1,000-key pages; folders are independent chains)."""
+        fs = self.fs
+        gate = asyncio.Semaphore(LIST_CONCURRENCY)
+
+        async def one(folder: str) -> dict[str, Any]:
+            async with gate:
+                try:
+                    return await fs._find(f"{self.root}/{folder}", detail=True)
+                except FileNotFoundError:
+                    return {}
+
+        async def every() -> list[dict[str, Any]]:
+            return await asyncio.gather(*(one(folder) for folder in folders))
+
+        found: dict[str, Any] = {}
+        for part in sync(fs.loop, every):
+            found.update(part)
+        return found
 
     def _list_local(self, images: Iterable[str] | None) -> dict[str, tuple[int, Any]]:
         root = self.local_root
@@ -253,6 +284,31 @@ class DataSource:
             raise DataError(f"cannot read metadata file {self.display(rel)}: {what}") from exc
         except Exception as exc:
             raise self.failure("read metadata file", self.display(rel), exc) from None
+
+
+def _folders_to_list(images: Iterable[str] | None) -> list[str] | None:
+    """The folders to list one by one instead of the whole prefix: when rows name several
+    folders holding many files each (not a folder per file, nothing at the base itself)."""
+    if images is None:
+        return None
+    images = list(images)
+    folders = {posixpath.dirname(i) for i in images}
+    if not 0 < len(folders) <= MAX_LISTED_FOLDERS:
+        return None
+    if len(folders) > 1 and len(folders) * 20 > len(images):  # too few files per request
+        return None
+    if any(not f or f.startswith(("/", "..")) for f in folders):
+        return None
+    return _outermost(sorted(folders))
+
+
+def _outermost(folders: list[str]) -> list[str]:
+    """`folders` (sorted) without those inside another one (listed with it)."""
+    kept: list[str] = []
+    for folder in folders:
+        if not kept or not folder.startswith(kept[-1] + "/"):
+            kept.append(folder)
+    return kept
 
 
 def _version(info: Mapping[str, Any]) -> Any:

@@ -223,14 +223,13 @@ def _grown(memo_at, source, data, got, metadata) -> DataIndex | None:
     part = index_memo.appended(got[0], whole, name)
     if part is None:
         return None
-    listing = None if source.local else source.listing()  # one listing for both on stores
-    if not index_memo.still_valid(*got, source, listing):
+    if not index_memo.still_valid(*got, source):
         return None
     old = index_memo.restore(*got)
     shown = meta_source.display(rel)
     try:
         records = metadata_files.records(part[0], name, shown, MAX_LINE_CHARS, part[1])
-        scan = scan_records(source, records, name, data.skip_bad_rows, listing=listing)
+        scan = scan_records(source, records, name, data.skip_bad_rows)  # lists the new folders
     except DataError:
         return None
     memo = load_memo(*memo_at, source)

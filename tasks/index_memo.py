@@ -230,10 +230,9 @@ def still_valid(
     meta: Mapping[str, str],
     tensors: Mapping[str, np.ndarray],
     source: DataSource,
-    listing: Listing | None = None,
 ) -> bool:
     """True when every file the memo depended on is as recorded, and absent ones still are
-    (object stores: from `listing`, else one made now)."""
+    (object stores: one listing of their folders, or of the prefix)."""
     count = int(meta["files"])
     absent = _split(tensors["absent"], None)
     sizes = tensors["sizes"]
@@ -247,7 +246,7 @@ def still_valid(
             return False
         return not any(os.path.isfile(os.path.join(root, rel)) for rel in absent)
     files = _split(tensors["files"], count)
-    listing = listing or source.listing()
+    listing = source.listing([*files, *absent])
     versions = _split(tensors["versions"], len(files))
     now = [listing.files.get(p) for p in files]
     if now != list(zip(sizes.tolist(), versions)):

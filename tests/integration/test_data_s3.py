@@ -206,3 +206,39 @@ def test_credentials_from_a_prefect_block_read_data_and_write_cache(
     assert (index.hashed, index.memo_hits) == (0, 4)
     shown = [repr(parsed), parsed.model_dump_json(), repr(index.source), caplog.text]
     assert not [s for s in shown if writer["secret"] in s]
+
+
+def test_folders_listed_one_by_one_see_every_row_and_a_missing_file_appearing(
+    s3_bucket, s3_endpoint, demo_weights, tmp_path
+):
+    """Object stores list the folders rows name, concurrently: rows in several folders are all
+    found, and a row skipped as missing (in a folder of its own) is noticed when its file
+    appears, by the index memo's check as by the full build."""
+    import s3fs
+
+    url, options = s3_bucket
+    fs = s3fs.S3FileSystem(**options)
+    images = {f"f{i % 3}/{i}.png": _png(i) for i in range(60)}  # 3 folders x 20 files
+    prompts = {name: f"digit {i}" for i, name in enumerate(sorted(images))}
+    prompts["late/x.png"] = "not there yet"
+    upload(fs, "bucket/prefix/data", images, prompts)
+    parsed = config_from_dict(_config(tmp_path, demo_weights, url, s3_endpoint, skip_bad_rows=True))
+    first = index_data_set(parsed)
+    assert len(first.keys) == 60 and len(first.skipped) == 1
+    assert index_data_set(parsed).from_memo
+    fs.pipe({"bucket/prefix/data/late/x.png": _png(99)})
+    got = index_data_set(parsed)
+    assert not got.from_memo and len(got.keys) == 61 and not got.skipped
+    assert got.keys == index_data_set(parsed, use_memo=False).keys
+
+
+def test_which_folders_are_listed_one_by_one():
+    from splitstage.pipelines.data_source import _folders_to_list
+
+    many = [f"a/{i}.png" for i in range(40)] + [f"a/b/{i}.png" for i in range(40)]
+    assert _folders_to_list(many) == ["a"]  # a/b is listed with a
+    assert _folders_to_list([f"d{i}/x.png" for i in range(10)]) is None  # a folder per file
+    assert _folders_to_list(["x.png", *many]) is None  # files at the base: the whole prefix
+    assert _folders_to_list(["../up/x.png"] * 40) is None
+    assert _folders_to_list(None) is None
+    assert _folders_to_list(["only/one.png"]) == ["only"]
