@@ -33,6 +33,7 @@ class TrainReport:
     checkpoint_url: str
     outputs: dict[str, str] = field(default_factory=dict)
     samples: dict[str, str] = field(default_factory=dict)  # update -> validation grid URL
+    grids: dict[str, list[str]] = field(default_factory=dict)  # update -> each size's grid URL
     updates: int = 0
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
