@@ -8,6 +8,7 @@ sample); non-tensor values are JSON in ONE metadata key. Nothing here unpickles.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -35,7 +36,7 @@ from splitstage.tasks.cache.index_entry import (  # noqa: F401  (re-exported, as
     spec_key,
     spec_table,
 )
-from splitstage.tasks.cache.shard_encode import Dedupe, serialize
+from splitstage.tasks.cache.shard_encode import Dedupe, flat_bytes, serialize
 
 META_KEY = "splitstage"  # ONE metadata key: safetensors writes several keys in random order
 _JSON_SCALARS = (str, int, float, bool, type(None))
@@ -139,8 +140,8 @@ def check_json(value: Any, where: str) -> None:
 def _sole_owner(value: torch.Tensor, seen: set[int]) -> torch.Tensor:
     """A detached, contiguous CPU tensor owning its whole storage (views and shared storage are
     cloned: safetensors writes whole storages)."""
-    t = value.detach()
-    if t.device.type != "cpu":
+    t = value.detach() if value.requires_grad else value
+    if not t.is_cpu:
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -152,11 +153,18 @@ def _sole_owner(value: torch.Tensor, seen: set[int]) -> torch.Tensor:
     return t
 
 
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the dtype as the index entry names it."""
+    return str(dtype)[6:]
+
+
 def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[str, Any]]:
     """Serialise samples into safetensors bytes; return them and the index's per-sample specs."""
     if not samples:
         raise ValueError("write_shard got no samples: pass {sample_key: {param: value}}")
     tensors: dict[str, torch.Tensor] = {}
+    raws: dict[str, Any] = {}  # each stored tensor's flat bytes, viewed once
     values: dict[str, dict[str, Any]] = {}
     specs: dict[str, dict[str, Any]] = {}
     seen_storage: set[int] = set()
@@ -173,20 +181,22 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
                 raise TypeError(f"sample {key!r} has a param name {param!r}; use a non-empty str")
             if isinstance(value, torch.Tensor):
                 t = _sole_owner(value, seen_storage)
-                spec = {"dtype": str(t.dtype)[6:], "shape": list(t.shape)}
-                same = dedupe.first(t, f"{key}/{param}")
+                spec = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+                name, raw = f"{key}/{param}", flat_bytes(t)
+                same = dedupe.first(t, name, raw)
                 if same is not None:  # stored once per shard, named by every sample
                     spec["same_as"] = same
                 else:
-                    tensors[f"{key}/{param}"] = t
+                    tensors[name], raws[name] = t, raw
                 specs[key][param] = spec
             else:
-                check_json(value, f"param {param!r} of sample {key!r}")
+                if not isinstance(value, _JSON_SCALARS):  # (the common case, checked first)
+                    check_json(value, f"param {param!r} of sample {key!r}")
                 values.setdefault(key, {})[param] = value
                 specs[key][param] = "json"
     blob = {"format": FORMAT_VERSION, "values": values}
     meta = {META_KEY: json.dumps(blob, sort_keys=True, separators=(",", ":"), allow_nan=True)}
-    return serialize(tensors, meta), specs
+    return serialize(tensors, meta, raws), specs
 
 
 def decode_shard(data: bytes, entry: IndexEntry) -> dict[str, dict[str, Any]]:

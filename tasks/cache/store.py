@@ -35,6 +35,7 @@ from splitstage.tasks.cache.index_snapshot import read_index, write_snapshot
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChecks
 from splitstage.tasks.cache.storage import storage_errors, write_chains
+from splitstage.tasks.cache.write_ahead import PreparedShard, WriteAhead
 
 _INDEX_BATCH = 1024  # index entries per batched read (bounds the bytes held at once)
 encode_shard = fmt.encode_shard  # importable from here, as are the errors, QUARANTINE, seen_digest
@@ -55,7 +56,7 @@ class _Seen(dict):
         super().__setitem__(shard_id, seen_digest(data))
 
 
-class CacheStore(CacheChecks):
+class CacheStore(CacheChecks, WriteAhead):
     """The cache under `<url>/<cache_key>/`: write shards, list committed samples, read, verify."""
 
     shard_file = staticmethod(fmt.shard_file)
@@ -89,8 +90,12 @@ class CacheStore(CacheChecks):
         return st.display_url(self.fs, path)
 
     # ---- writing ----------------------------------------------------------------------------
-    def write_shard(self, samples: Mapping[str, Mapping[str, Any]]) -> fmt.ShardInfo:
-        """Write one shard, then its index entry (the commit); idempotent for identical samples."""
+    def write_shard(
+        self, samples: Mapping[str, Mapping[str, Any]] | PreparedShard
+    ) -> fmt.ShardInfo:
+        """Write one shard (or commit a `prepare_shard` one), then its index entry; idempotent."""
+        if isinstance(samples, PreparedShard):
+            return self._commit(samples)
         return self.write_shards([samples])[0]
 
     def write_shards(
@@ -108,12 +113,16 @@ class CacheStore(CacheChecks):
 
         with storage_errors(self.url, "write shards under", self._options):
             write_chains(self.fs, chains())
+        self._record(done)
+        return [info for info, _ in done]
+
+    def _record(self, written: list[tuple[fmt.ShardInfo, bytes]]) -> None:
+        """Note committed index entries: their digests, and the cached listing when read."""
         with self._lock:
-            for info, index in done:
+            for info, index in written:
                 self._seen[info.shard_id] = index
                 if self._entries is not None:
                     self._add_entry(fmt.parse_index_entry(index, info.shard_id, info.path))
-        return [info for info, _ in done]
 
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
         """Write the manifest atomically (the preprocessing coordinator's record of the run); its

@@ -8,13 +8,18 @@ and device live) when it holds `batch_size` samples, when the groups together ho
 `max_pending` samples (the largest goes first), and at the end (in the order the groups began).
 Computed records fill shards of `shard_samples` in that order; full shards go, through a queue of
 `max_shards` shards, to ONE writer thread (`write`: encode, hash, upload, commit), so shards are
-committed one at a time, in order. Memory: the prefetch window, the pending groups, a shard being
-filled and `max_shards` + 1 shards.
+committed one at a time, in order. With `prepare`, an encoder thread runs it on each shard first
+(encode, hash, start the upload: `CacheStore.prepare_shard`), at most `ahead` prepared shards
+ahead of the writer, which then only commits: shard k+1 is encoded and uploaded while shard k
+commits, and the commits stay one at a time, in order (so a kill after N commits is exact).
+Memory: the prefetch window, the pending groups, a shard being filled and `max_shards` + 1 shards
+(+ up to `ahead` + 2 prepared ones, uploading).
 
 Errors: a writer failure stops the pipeline at the next batch and is raised on the caller; a
 failure on the caller (an undecodable row without `skip_bad_rows`, a unit error) lets the writer
-commit the shards already queued, then is raised; KeyboardInterrupt drops them. Either way the
-decode pool and the writer thread are stopped and joined before the call returns.
+commit the shards already queued, then is raised; KeyboardInterrupt drops them (prepared ones go
+to `discard`). Either way the decode pool and the writer's threads are stopped and joined before
+the call returns.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class Stage1Pipeline:
 
     load: Callable[[Any], Record]  # row -> decoded sample (DataError when it cannot be decoded)
     compute: Callable[[list[Record]], list[Record]]  # samples of one signature -> their records
-    write: Callable[[dict[str, Record]], None]  # one shard {key: record} -> committed
+    write: Callable[[Any], None]  # one shard {key: record} (or what `prepare` made) -> committed
     batch_size: int
     shard_samples: int
     skip_bad_rows: bool = False
@@ -64,6 +69,11 @@ class Stage1Pipeline:
     prefetch: int = 0  # decoded samples ahead of V2; 0: 2 x batch_size + decode_threads
     max_pending: int = 0  # decoded samples waiting in groups; 0: 4 x batch_size
     max_shards: int = 2  # full shards queued for the writer
+    # shard -> what `write` takes, run on an encoder thread ahead of `write` (encode, start
+    # the upload); `discard` gets those never written (after an error or an interrupt)
+    prepare: Callable[[dict[str, Record]], Any] | None = None
+    discard: Callable[[Any], None] | None = None
+    ahead: int = 2  # prepared shards waiting for `write`
     # V2 releases and retakes the GIL around every torch op; with the default 5 ms switch
     # interval a decode or writer thread holding it stalls each op (measured: the overlapped
     # run slower than the serial loop). Lowered while the pipeline runs, then restored.
@@ -80,7 +90,7 @@ class Stage1Pipeline:
 
     def _start(self, todo: Sequence[tuple[Any, str]]) -> None:
         """Start the decode pool and the writer, run, and stop both whatever happens."""
-        writer = _Writer(self.write, self.max_shards)
+        writer = _Writer(self.write, self.max_shards, self.prepare, self.discard, self.ahead)
         pool = ThreadPoolExecutor(
             max(1, self.decode_threads),
             thread_name_prefix="stage1-decode",
@@ -167,55 +177,101 @@ class Stage1Pipeline:
         return self.max_pending or 4 * self.batch_size
 
 
-class _Writer:
-    """ONE background thread calling `write` on shards in the order they were put."""
+class _Stage:
+    """ONE background thread calling `fn` on items in the order they were put; after a failure
+    (or a cancel) it drops the items left, passing each to `drop`, until closed."""
 
-    def __init__(self, write: Callable[[dict[str, Record]], None], max_shards: int) -> None:
-        self._write = write
-        self._queue: queue.Queue = queue.Queue(max(1, max_shards))
-        self._error: BaseException | None = None
-        self._cancel = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="stage1-writer", daemon=True)
+    def __init__(self, name: str, fn: Callable, size: int, state: _State, drop=None) -> None:
+        self._fn, self._drop, self._state = fn, drop, state
+        self._queue: queue.Queue = queue.Queue(max(1, size))
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _DONE or self._cancel.is_set():
+            if item is _DONE:
                 return
+            cancelled = self._state.cancel.is_set()
             try:
-                self._write(item)
-            except BaseException as exc:  # raised on the caller's thread
-                self._error = exc
-                self._cancel.set()
-                return
+                if not cancelled:
+                    self._fn(item)
+                elif self._drop is not None:
+                    self._drop(item)
+            except BaseException as exc:  # raised on the caller's thread; the loop goes on
+                self._state.fail(exc)
 
-    def put(self, shard: dict[str, Record]) -> None:
-        """Queue a shard, waiting while the queue is full; raise the writer's error if it died."""
+    def put(self, item: Any) -> None:
+        """Queue an item, waiting while the queue is full; raise the first error of any stage."""
         while True:
-            self.raise_error()
+            self._state.raise_error()
             try:
-                self._queue.put(shard, timeout=0.05)
+                self._queue.put(item, timeout=0.05)
                 return
             except queue.Full:
                 continue
 
+    def close(self) -> None:
+        """Stop the thread after the items queued (run, or dropped when cancelled)."""
+        self._queue.put(_DONE)
+        self._thread.join()
+
+
+class _State:
+    """What the writer's stages share: the first error, and the cancel it sets."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.cancel = threading.Event()
+        self._lock = threading.Lock()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.error = self.error or exc
+        self.cancel.set()
+
     def raise_error(self) -> None:
-        """Raise the exception a write failed with, if one did."""
-        if self._error is not None:
-            raise self._error
+        """Raise the exception a stage failed with first, if one did."""
+        if self.error is not None:
+            raise self.error
+
+
+class _Writer:
+    """The background writer: `write` on ONE thread, in the order shards were put; with
+    `prepare`, each shard first goes through `prepare` on an encoder thread, at most `ahead`
+    prepared shards waiting for `write` (those never written go to `discard`)."""
+
+    def __init__(self, write, max_shards: int, prepare=None, discard=None, ahead: int = 2) -> None:
+        self._state = _State()
+        size = ahead if prepare else max_shards
+        self._writer = _Stage("stage1-writer", write, size, self._state, discard)
+        self._stages = [self._writer]
+        self._entry = self._writer
+        if prepare is not None:
+
+            def encode(shard: dict[str, Record]) -> None:
+                prepared = prepare(shard)
+                try:
+                    self._writer.put(prepared)
+                except BaseException:
+                    if discard is not None:
+                        discard(prepared)
+                    raise
+
+            self._entry = _Stage("stage1-encode", encode, max_shards, self._state)
+            self._stages.insert(0, self._entry)
+
+    def put(self, shard: dict[str, Record]) -> None:
+        """Queue a shard, waiting while the queue is full; raise the writer's error if it died."""
+        self._entry.put(shard)
+
+    def raise_error(self) -> None:
+        """Raise the exception a write (or prepare) failed with, if one did."""
+        self._state.raise_error()
 
     def close(self, drain: bool) -> None:
-        """Stop the thread (after the queued shards when `drain`, else after the current one)."""
+        """Stop the threads (after the queued shards when `drain`, else after the current one)."""
         if not drain:
-            self._cancel.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.put(_DONE, timeout=0.05)
-                break
-            except queue.Full:
-                if self._cancel.is_set():  # the writer stops at its next item: make room
-                    with self._queue.mutex:
-                        self._queue.queue.clear()
-                        self._queue.not_full.notify_all()
-        self._thread.join()
+            self._state.cancel.set()
+        for stage in self._stages:  # the encoder first: what it prepares goes on to the writer
+            stage.close()

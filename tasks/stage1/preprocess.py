@@ -124,11 +124,12 @@ def preprocess_shard(
     plan = plan or make_plan(config)
     data = data or index_data_set(config)
     store = open_cache(config, plan)
-    mine = [(r, k) for r, k in zip(data.rows, data.keys) if shard_of(k, num_shards) == shard]
-    report = repair_cache(store, plan, {k for _, k in mine}, shard, num_shards, verify)
+    keys = data.keys
+    mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
+    report = repair_cache(store, plan, {keys[i] for i in mine}, shard, num_shards, verify)
     report.skipped, report.assigned = len(data.skipped), len(mine)
     committed = store.committed_keys()
-    todo = [(r, k) for r, k in mine if k not in committed]
+    todo = [(data.rows[i], keys[i]) for i in mine if keys[i] not in committed]  # rows built here
     report.reused = len(mine) - len(todo)
     if todo:
         _compute(config, plan, store, todo, report, progress, on_progress)
@@ -188,7 +189,9 @@ def stage1_pipeline(
     return Stage1Pipeline(
         load=lambda row: family.load_sample(row, base),
         compute=compute,
+        prepare=store.prepare_shard,  # encode + upload shard k+1 while shard k commits
         write=lambda shard: _write(store, shard, report),
+        discard=lambda prepared: prepared.discard(),
         batch_size=config.preprocess.batch_size,
         shard_samples=config.cache.shard_samples,
         skip_bad_rows=config.data.skip_bad_rows,
@@ -206,8 +209,9 @@ def _decode_threads() -> int:
     return int(value)
 
 
-def _write(store: CacheStore, shard: dict, report: ShardReport) -> None:
-    """Write one shard (shard file, then its index entry: the commit); on the writer thread."""
+def _write(store: CacheStore, shard, report: ShardReport) -> None:
+    """Commit one prepared shard (its file, then its index entry); on the writer thread, in
+    order, so the fault-injection kill below comes after exactly N commits."""
     info = store.write_shard(shard)
     report.bytes_written += info.nbytes
     report.shards_written += 1
