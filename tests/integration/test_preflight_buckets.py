@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from splitstage.cli import main
 from splitstage.pipelines.config import load_config
 from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.tasks.stage1.preprocess import preprocess
 from tests.integration.test_bad_input_catalogue import check_one_line
+from tests.integration.test_catalogue_prelaunch import cli
 
 pytestmark = pytest.mark.slow
 SHAPES = [(64, 64), (60, 120), (120, 60)]  # source (height, width): square, wide, tall
@@ -70,15 +70,6 @@ def cached(tmp_path_factory) -> Path:
     build_demo_weights(root / "weights")
     preprocess(load_config(job(root, root / "prep", accumulate=1)), workers=1, progress=False)
     return root
-
-
-def cli(args: list[str], capsys) -> tuple[int, str]:
-    """(exit code, stderr) of the real CLI."""
-    try:
-        code = main(args)
-    except SystemExit as stop:
-        code = stop.code
-    return code, capsys.readouterr().err
 
 
 NEEDLES = [  # the buckets and their sizes, the real count, and fixes that would fit
