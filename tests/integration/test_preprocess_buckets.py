@@ -20,6 +20,7 @@ from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.data_index import index_data_set
 from splitstage.tasks.plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
+from tests.demo_job import demo_sections
 
 
 @pytest.fixture
@@ -39,12 +40,7 @@ def two_sizes(monkeypatch):
 def job(assets: Path, weights: dict, cache: Path, **preprocess_fields):
     return config_from_dict(
         {
-            "models": {
-                "vae": {"weights": str(weights["vae"])},
-                "dit": {"weights": str(weights["dit"])},
-                "text_encoder": {"builder": "tiny"},
-            },
-            "trainable": {"lora_base_model": "dit"},
+            **demo_sections(weights),
             "data": {"base_path": str(assets / "data")},
             "cache": {"url": str(cache), "shard_samples": 6},
             "preprocess": {"batch_size": 4, "device": "cpu", **preprocess_fields},

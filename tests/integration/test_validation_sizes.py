@@ -23,6 +23,7 @@ from splitstage.tasks.plan import make_plan
 from splitstage.tasks.stage2.validation import Validator, check_validation_sizes, repeat_rows
 from splitstage.tasks.validation_prompts import encode
 from splitstage.tiny_diffusers import write_tiny_folder
+from tests.demo_job import demo_sections
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -33,12 +34,7 @@ SAMPLES_LINE = re.compile(r"\bsamples update (\d+): (\S+)")  # what flows/train.
 def demo_config(weights, out, **validation):
     return config_from_dict(
         {
-            "models": {
-                "vae": {"weights": str(weights["vae"])},
-                "dit": {"weights": str(weights["dit"])},
-                "text_encoder": {"builder": "tiny"},
-            },
-            "trainable": {"lora_base_model": "dit"},
+            **demo_sections(weights),
             "output": {"url": str(out)},
             "validation": {"prompts": PROMPTS, "steps": 2} | validation,
         }

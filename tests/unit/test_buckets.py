@@ -13,6 +13,7 @@ from splitstage.pipelines.config import ConfigError, config_from_dict
 from splitstage.pipelines.data import Row, load_sample
 from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.tasks.plan import make_plan
+from tests.demo_job import demo_sections
 
 
 def buckets(resolution=1024, multiple=8, **fields) -> Buckets:
@@ -76,12 +77,7 @@ def _config(tmp_path, **buckets):
     weights = build_demo_weights(tmp_path / "weights")
     return config_from_dict(
         {
-            "models": {
-                "vae": {"weights": str(weights["vae"])},
-                "dit": {"weights": str(weights["dit"])},
-                "text_encoder": {"builder": "tiny"},
-            },
-            "trainable": {"lora_base_model": "dit"},
+            **demo_sections(weights),
             "data": {"base_path": str(tmp_path), "buckets": buckets},
             "cache": {"url": str(tmp_path / "cache")},
         }
