@@ -24,6 +24,7 @@ from splitstage.tasks.stage2.validation import Validator, check_validation_sizes
 from splitstage.tasks.validation_prompts import encode
 from splitstage.tiny_diffusers import write_tiny_folder
 from tests.demo_job import demo_sections
+from tests.integration.test_diffusers_sampling import PIPELINE, family_plan
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -150,30 +151,12 @@ def test_fitting_sizes_pass_and_a_sizeless_family_is_refused(demo_weights):
 
 
 # -- diffusers families: a non-square sample is the diffusers pipeline's at that size --------------
-PIPELINES = {
-    "sd": "StableDiffusionPipeline",
-    "sdxl": "StableDiffusionXLPipeline",
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-}
-
-
-def diffusers_plan(folder, kind: str):
-    pipeline = {"name": kind, "pretrained": str(folder), "resolution": 64, "precision": "fp32"}
-    if kind in ("sd3", "flux"):
-        pipeline["max_prompt_length"] = 16
-    denoiser = "unet" if kind in ("sd", "sdxl") else "transformer"
-    return make_plan(
-        config_from_dict({"pipeline": pipeline, "trainable": {"lora_base_model": denoiser}})
-    )
-
-
-@pytest.mark.parametrize("kind", list(PIPELINES))
+@pytest.mark.parametrize("kind", list(PIPELINE))
 def test_a_non_square_sample_is_what_the_diffusers_pipeline_draws(tmp_path, kind):
     import diffusers
 
     folder = write_tiny_folder(kind, tmp_path / kind)
-    plan = diffusers_plan(folder, kind)
+    plan = family_plan(folder, kind)
     family = plan.family
     models = {name: family.build_model(name, CPU) for name in family.prompt_models()}
     cond, uncond = encode(plan, models, CPU, PROMPTS, ["", ""])
@@ -196,7 +179,7 @@ def test_a_non_square_sample_is_what_the_diffusers_pipeline_draws(tmp_path, kind
         mine = (family.decode(family.load_decoder(CPU), latents) + 1) / 2
     assert mine.shape == (2, 3, height, width)
 
-    pipe = getattr(diffusers, PIPELINES[kind]).from_pretrained(folder)
+    pipe = getattr(diffusers, PIPELINE[kind]).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(4)
     noise = torch.randn(2, family.vae_config["latent_channels"], 8, 12, generator=generator)
