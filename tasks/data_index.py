@@ -199,9 +199,10 @@ def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
     try:
         if got[0].get("metadata_stat") != json.dumps(list(stat)):
             return _grown(memo_at, source, data, got, (meta_source, rel, stat))
-        if not index_memo.still_valid(*got, source):
-            return None
-        result = index_memo.restore(*got)
+        with index_memo.MemoCheck(*got, source) as check:  # stats run while rows restore
+            result = index_memo.restore(*got)
+            if not check.valid():
+                return None
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         log.warning("index memo %s is unusable (%s); indexing every row", url, exc)
         return None

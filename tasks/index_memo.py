@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import zlib
 from collections.abc import Mapping, Sequence
@@ -38,7 +37,7 @@ from safetensors.numpy import save as st_save
 
 from splitstage.pipelines.data import Row
 from splitstage.pipelines.data_source import DataSource, Listing
-from splitstage.pipelines.file_stats import changed_files
+from splitstage.pipelines.file_stats import FileCheck
 from splitstage.pipelines.row_table import RowTable, extras_text
 from splitstage.pipelines.safetensors_io import read_metadata
 from splitstage.tasks.hash_memo import TRUST_MARGIN_NS
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 FORMAT = "splitstage-data-index-v1"
 SUFFIX = ".index.safetensors"
 _SEP = "\0"
-_HEX_KEY = re.compile(".{64}", re.DOTALL)
 _RULE_MODULES = (  # the code whose behaviour the memo's contents depend on
     "splitstage.pipelines.data",
     "splitstage.pipelines.metadata_files",
@@ -231,27 +229,56 @@ def still_valid(
     tensors: Mapping[str, np.ndarray],
     source: DataSource,
 ) -> bool:
-    """True when every file the memo depended on is as recorded, and absent ones still are
-    (object stores: one listing of their folders, or of the prefix)."""
-    count = int(meta["files"])
-    absent = _split(tensors["absent"], None)
-    sizes = tensors["sizes"]
-    if len(sizes) != count:
-        raise ValueError("its file columns disagree")
-    if source.local:
-        if meta["by_mtime"] != "True" or len(tensors["mtimes"]) != count:
+    """True when every file the memo depended on is as recorded, and absent ones still are."""
+    with MemoCheck(meta, tensors, source) as check:
+        return check.valid()
+
+
+class MemoCheck:
+    """Whether every file the memo depended on is as recorded and absent ones still are: on a
+    disk the stats start in child processes at once (restore the rows meanwhile) and `valid()`
+    waits for them; object stores answer from one listing of their folders (or the prefix)."""
+
+    def __init__(self, meta: Mapping[str, str], tensors: Mapping[str, np.ndarray], source):
+        count = int(meta["files"])
+        self.absent = _split(tensors["absent"], None)
+        self.source, self.files, self.answer = source, None, None
+        sizes = tensors["sizes"]
+        if len(sizes) != count:
             raise ValueError("its file columns disagree")
-        root = source.local_root
-        if changed_files(root, tensors["files"].tobytes(), sizes, tensors["mtimes"]):
-            return False
-        return not any(os.path.isfile(os.path.join(root, rel)) for rel in absent)
-    files = _split(tensors["files"], count)
-    listing = source.listing([*files, *absent])
-    versions = _split(tensors["versions"], len(files))
-    now = [listing.files.get(p) for p in files]
-    if now != list(zip(sizes.tolist(), versions)):
-        return False
-    return not any(rel in listing.files for rel in absent)
+        if source.local:
+            if meta["by_mtime"] != "True" or len(tensors["mtimes"]) != count:
+                raise ValueError("its file columns disagree")
+            names = tensors["files"].tobytes()
+            self.files = FileCheck(source.local_root, names, sizes, tensors["mtimes"])
+            return
+        files = _split(tensors["files"], count)
+        listing = source.listing([*files, *self.absent])
+        versions = _split(tensors["versions"], len(files))
+        now = [listing.files.get(p) for p in files]
+        unchanged = now == list(zip(sizes.tolist(), versions))
+        self.answer = unchanged and not any(rel in listing.files for rel in self.absent)
+
+    def __enter__(self) -> MemoCheck:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def valid(self) -> bool:
+        """The answer (waits for a local check to finish)."""
+        if self.answer is None:
+            assert self.files is not None
+            root = self.source.local_root
+            self.answer = not self.files.changed() and not any(
+                os.path.isfile(os.path.join(root, rel)) for rel in self.absent
+            )
+        return self.answer
+
+    def close(self) -> None:
+        """Stop a local check that is no longer wanted."""
+        if self.files is not None:
+            self.files.close()
 
 
 def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> IndexResult:
@@ -260,7 +287,7 @@ def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> Index
     digests = tensors["keys"]
     if digests.shape != (count, 32) or len(tensors["lines"]) != count:
         raise ValueError(f"its row columns disagree with its count {count}")
-    keys = _HEX_KEY.findall(digests.tobytes().hex())
+    keys = digests.tobytes().hex(" ", 32).split(" ") if count else []
     for name in ("images", "prompts", "extras"):  # split on first use; counted now
         if count and int(np.count_nonzero(tensors[name] == 0)) != count - 1:
             raise ValueError(f"its {name} column disagrees with its count {count}")
@@ -283,7 +310,7 @@ def _crc32(tensors: Mapping[str, np.ndarray]) -> int:
     crc = 0
     for name in sorted(tensors):
         crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(np.ascontiguousarray(tensors[name]).tobytes(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(tensors[name]), crc)  # no copy
     return crc
 
 

@@ -193,9 +193,33 @@ def _tree(root: Path, count: int) -> list[str]:
     return sorted(rels)
 
 
-@pytest.mark.parametrize("processes", ["1", "2"])
-def test_changed_files_finds_every_kind_of_change(tmp_path, monkeypatch, processes):
-    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", processes)
+CHECK_PATHS = {  # how the check runs: (SPLITSTAGE_NATIVE_STAT, SPLITSTAGE_STAT_PROCESSES)
+    "native, 1 thread": ("1", "1"),
+    "native, 3 threads": ("1", "3"),
+    "python in-process": ("0", "1"),
+    "python, 2 child processes": ("0", "2"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_native_library():
+    """Tests here switch the native check on and off: later tests see it found afresh."""
+    yield
+    file_stats.native_stat.library.cache_clear()
+
+
+def _check_path(monkeypatch, name: str) -> None:
+    native, workers = CHECK_PATHS[name]
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", native)
+    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", workers)
+    file_stats.native_stat.library.cache_clear()
+    if native == "1":
+        assert file_stats.native_stat.library() is not None, "no C compiler for the native check"
+
+
+@pytest.mark.parametrize("path", sorted(CHECK_PATHS))
+def test_changed_files_finds_every_kind_of_change(tmp_path, monkeypatch, path):
+    _check_path(monkeypatch, path)
     rels = _tree(tmp_path, 40)
     stats = [os.stat(tmp_path / r) for r in rels]
     sizes = np.array([s.st_size for s in stats], dtype=np.int64)
@@ -206,14 +230,66 @@ def test_changed_files_finds_every_kind_of_change(tmp_path, monkeypatch, process
     (tmp_path / rels[20]).unlink()  # gone
     (tmp_path / rels[25]).unlink()
     (tmp_path / rels[25]).mkdir()  # a folder where a file was
-    rels_bad = [*rels, "no/such/folder/x.bin"]
-    sizes_bad, mtimes_bad = np.append(sizes, 1), np.append(mtimes, 1)
+    (tmp_path / "top.bin").write_bytes(b"xy")  # a file at the root, after a folder's files
+    (tmp_path / "d2" / "link.bin").symlink_to(tmp_path / rels[0])  # followed, as os.stat does
+    extra = ["d2/link.bin", "no/such/folder/x.bin", "top.bin", "d0/0.bin/not-a-folder"]
+    rels_bad = [*rels, *extra]
+    target = os.stat(tmp_path / rels[0])
+    sizes_bad = np.append(sizes, [target.st_size, 1, 2, 1])
+    mtimes_bad = np.append(
+        mtimes, [target.st_mtime_ns, 1, os.stat(tmp_path / "top.bin").st_mtime_ns, 1]
+    )
     got = file_stats.changed_files(str(tmp_path), _joined(rels_bad), sizes_bad, mtimes_bad)
-    assert got == [3, 10, 20, 25, 40]
+    assert got == [3, 10, 20, 25, 41, 43]  # the link and the root file are as recorded
+
+
+def test_native_check_agrees_with_os_stat_on_odd_names(tmp_path, monkeypatch):
+    """Names the C loop must split as Python does: non-ASCII, spaces, deep and one-level."""
+    rels = sorted(["a/é ü.png", "a/b/c/d/deep.png", "flat.png", "a/b/x y.png", "ü/ß.png"])
+    for rel in rels:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(rel.encode())
+    stats = [os.stat(tmp_path / r) for r in rels]
+    sizes = np.array([s.st_size for s in stats], dtype=np.int64)
+    mtimes = np.array([s.st_mtime_ns for s in stats], dtype=np.int64)
+    mtimes[2] += 1
+    answers = {}
+    for path in ("native, 3 threads", "python in-process"):
+        _check_path(monkeypatch, path)
+        answers[path] = file_stats.changed_files(str(tmp_path), _joined(rels), sizes, mtimes)
+    assert answers == {path: [2] for path in answers}
+
+
+def test_no_compiler_means_the_python_check(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", "1")
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_CACHE", str(tmp_path / "build"))
+    monkeypatch.setattr(file_stats.native_stat, "_compiler", lambda: None)
+    file_stats.native_stat.library.cache_clear()
+    rels = _tree(tmp_path / "data", 6)
+    sizes = np.array([os.stat(tmp_path / "data" / r).st_size for r in rels], dtype=np.int64)
+    mtimes = np.array([os.stat(tmp_path / "data" / r).st_mtime_ns for r in rels], np.int64)
+    with caplog.at_level(logging.INFO, logger=file_stats.native_stat.__name__):
+        assert file_stats.changed_files(str(tmp_path / "data"), _joined(rels), sizes, mtimes) == []
+    assert file_stats.native_stat.library() is None
+    assert "no C compiler" in caplog.text
+
+
+def test_a_failing_compiler_means_the_python_check(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: fatal error: out of memory' >&2\nexit 4\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", "1")
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_CACHE", str(tmp_path / "build"))
+    monkeypatch.setattr(file_stats.native_stat, "_compiler", lambda: [str(broken)])
+    file_stats.native_stat.library.cache_clear()
+    with caplog.at_level(logging.INFO, logger=file_stats.native_stat.__name__):
+        assert file_stats.native_stat.library() is None
+    assert "exited 4: cc: fatal error: out of memory" in caplog.text
+    assert list((tmp_path / "build").iterdir()) == []  # no half-built library left behind
 
 
 def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", "2")
+    _check_path(monkeypatch, "python, 2 child processes")
     rels = _tree(tmp_path, 10)
     sizes = np.array([os.stat(tmp_path / r).st_size for r in rels], dtype=np.int64)
     mtimes = np.array([os.stat(tmp_path / r).st_mtime_ns + 1 for r in rels], dtype=np.int64)
@@ -222,6 +298,16 @@ def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch
         got = file_stats.changed_files(str(tmp_path), _joined(rels), sizes, mtimes)
     assert got == list(range(10))
     assert len(caplog.records) == 1 and "checking here" in caplog.records[0].getMessage()
+
+
+def test_a_missing_root_falls_back_to_checking_in_process(tmp_path, monkeypatch, caplog):
+    """The native check refuses a root it cannot open; the Python check then says every file
+    is gone (a data set folder removed since the memo)."""
+    _check_path(monkeypatch, "native, 1 thread")
+    sizes, mtimes = np.array([1, 2], np.int64), np.array([1, 2], np.int64)
+    with caplog.at_level(logging.WARNING, logger=file_stats.__name__):
+        got = file_stats.changed_files(str(tmp_path / "gone"), _joined(["a", "b/c"]), sizes, mtimes)
+    assert got == [0, 1] and "checking here" in caplog.text
 
 
 def test_restored_index_travels_to_worker_processes(job):
