@@ -1,7 +1,8 @@
 """Index build time of a large data set: first run, rerun with no new samples (the hash memo),
 and after adding, editing and deleting a few files; 8x8 PNGs of ~100 bytes, each distinct.
-A rerun takes rows and keys from the index memo after one stat per file (in child processes,
-`SPLITSTAGE_STAT_PROCESSES` to force a count); a change to the metadata rebuilds from the hash memo.
+A rerun takes rows and keys from the index memo after one stat per file (in C on threads, and
+once more with Python's os.stat in child processes for comparison; `SPLITSTAGE_STAT_PROCESSES`
+forces a count); a change to the metadata rebuilds from the hash memo.
 
 Local disk (default 1,000,000 rows) and the S3 endpoint on loopback (moto server in its own
 process; default 100,000 rows, uploaded with batched puts). Goal: rerun / first run <= 0.02.
@@ -85,16 +86,30 @@ def timed(config) -> tuple[float, object]:
     return time.perf_counter() - start, index
 
 
-def run_case(label: str, config, change) -> list[tuple[str, float, object]]:
+def python_stat_rerun(config) -> tuple[float, object]:
+    """A rerun whose file check uses Python's os.stat (no native helper), for comparison."""
+    from splitstage.pipelines import native_stat
+
+    os.environ["SPLITSTAGE_NATIVE_STAT"] = "0"
+    native_stat.library.cache_clear()
+    try:
+        return timed(config)
+    finally:
+        del os.environ["SPLITSTAGE_NATIVE_STAT"]
+        native_stat.library.cache_clear()
+
+
+def run_case(label: str, config, change, local: bool) -> list[tuple[str, float, object]]:
     time.sleep(2.1)  # past the memo's mtime-tick margin, as any data set written earlier is
     first = timed(config)
     rerun = timed(config)
+    extra = [(f"{label} rerun, Python os.stat", *python_stat_rerun(config))] if local else []
     change()
     time.sleep(2.1)
     changed = timed(config)
     out = [(f"{label} first run", *first), (f"{label} rerun", *rerun)]
     out.append((f"{label} after +{CHANGES}/~{CHANGES}/-{CHANGES}", *changed))
-    return out
+    return out + extra
 
 
 def local_case(rows: int, work: Path):
@@ -107,7 +122,7 @@ def local_case(rows: int, work: Path):
     config = config_from_dict(
         {"data": {"base_path": str(data)}, "cache": {"url": str(work / "local-cache")}}
     )
-    return run_case(f"local {rows:,}", config, lambda: change_local(data, rows))
+    return run_case(f"local {rows:,}", config, lambda: change_local(data, rows), local=True)
 
 
 def free_port() -> int:
@@ -183,7 +198,7 @@ def s3_case(rows: int, work: Path):
             fs.pipe(files)
             fs.rm([f"bench/data/{name(i)}" for i in range(CHANGES)])
 
-        return run_case(f"s3 {rows:,}", config, change)
+        return run_case(f"s3 {rows:,}", config, change, local=False)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -210,13 +225,17 @@ def main() -> None:
     for label, seconds, index in results:
         memo = "used" if index.from_memo else "-"
         print(f"{label:<40} {seconds:>9.2f} {index.hashed:>9,} {index.memo_hits:>10,} {memo:>11}")
-    for i in range(0, len(results), 3):
+    starts = [i for i, r in enumerate(results) if r[0].endswith(" first run")]
+    for i in starts:
         first, rerun, changed = (r[1] for r in results[i : i + 3])
         label = results[i][0].rsplit(" first run", 1)[0]
         print(
             f"{label}: rerun / first = {rerun / first:.3f} (goal <= 0.02); "
             f"changed / first = {changed / first:.3f}"
         )
+        python = [r[1] for r in results if r[0] == f"{label} rerun, Python os.stat"]
+        if python:
+            print(f"{label}: rerun with Python os.stat / first = {python[0] / first:.3f}")
 
 
 if __name__ == "__main__":
