@@ -2,13 +2,25 @@
  * above the syscall (its result object), which on 1M files is most of the check. Built on first
  * use by pipelines/native_stat.py with the system C compiler and called through ctypes (which
  * releases the GIL, so threads run slices in parallel). Same answer as stat_child.changed. */
-#define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#ifdef __APPLE__
+#define MTIME_NS(st) ((int64_t)(st).st_mtimespec.tv_sec * 1000000000LL + (st).st_mtimespec.tv_nsec)
+#else
+#define MTIME_NS(st) ((int64_t)(st).st_mtim.tv_sec * 1000000000LL + (st).st_mtim.tv_nsec)
+#endif
+
+/* The last '/' in the `len` bytes at `p`, or NULL (memrchr is not everywhere). */
+static const char *last_slash(const char *p, size_t len) {
+    while (len--)
+        if (p[len] == '/') return p + len;
+    return NULL;
+}
 
 /* For `count` paths in `names` (under the folder `root`, each ending in a NUL, best grouped by
  * folder), sets flags[i] to 1 when path i is gone, no regular file, or its size or mtime_ns
@@ -27,7 +39,7 @@ long splitstage_changed(const char *root, const char *names, long count, const i
     const char *p = names;
     for (long i = 0; i < count; i++) {
         size_t len = strlen(p);
-        const char *slash = memrchr(p, '/', len);
+        const char *slash = last_slash(p, len);
         size_t where_len = slash ? (size_t)(slash - p) : 0;
         if (folder == NULL || where_len != folder_len || memcmp(folder, p, where_len) != 0) {
             if (fd >= 0 && fd != root_fd) close(fd);
@@ -53,7 +65,7 @@ long splitstage_changed(const char *root, const char *names, long count, const i
         int failed = fd >= 0 ? fstatat(fd, slash ? slash + 1 : p, &st, 0)
                              : fstatat(root_fd, p, &st, 0); /* folder not openable: whole path */
         int differs = failed != 0 || !S_ISREG(st.st_mode) || (int64_t)st.st_size != sizes[i] ||
-                      (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec != mtimes[i];
+                      MTIME_NS(st) != mtimes[i];
         flags[i] = (uint8_t)differs;
         changed += differs;
         p += len + 1;

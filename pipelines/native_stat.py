@@ -44,8 +44,8 @@ def library() -> ctypes.CDLL | None:
         log.info("no C compiler found: data set files are checked with Python's os.stat")
         return None
     tag = hashlib.sha256(source + " ".join(compiler).encode() + platform.machine().encode())
-    built = _cache_dir() / f"native_stat-{tag.hexdigest()[:16]}.so"
     try:
+        built = _cache_dir() / f"native_stat-{tag.hexdigest()[:16]}.so"
         if not built.is_file():
             _build(compiler, built)
         lib = ctypes.CDLL(str(built))
@@ -112,6 +112,9 @@ def _cache_dir() -> Path:
     base = Path(chosen) if chosen else Path(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
     folder = (base if chosen else base / "splitstage").expanduser()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # others could swap the library
+        raise OSError(f"{folder} is not this user's alone (owner or group/other write)")
     return folder
 
 

@@ -288,6 +288,19 @@ def test_a_failing_compiler_means_the_python_check(tmp_path, monkeypatch, caplog
     assert list((tmp_path / "build").iterdir()) == []  # no half-built library left behind
 
 
+def test_a_build_folder_others_can_write_is_not_used(tmp_path, monkeypatch, caplog):
+    """A library others could replace is never loaded: the Python check runs instead."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", "1")
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_CACHE", str(shared))
+    file_stats.native_stat.library.cache_clear()
+    with caplog.at_level(logging.INFO, logger=file_stats.native_stat.__name__):
+        assert file_stats.native_stat.library() is None
+    assert "not this user's alone" in caplog.text and list(shared.iterdir()) == []
+
+
 def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch, caplog):
     _check_path(monkeypatch, "python, 2 child processes")
     rels = _tree(tmp_path, 10)
