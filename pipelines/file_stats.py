@@ -9,7 +9,6 @@ caller can restore the memo's rows meanwhile.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -21,7 +20,6 @@ from splitstage.pipelines import native_stat, stat_child
 log = logging.getLogger(__name__)
 PER_PROCESS = 100_000  # files worth a process of their own (starting one costs ~50 ms)
 MAX_PROCESSES = 8
-PER_THREAD = 20_000  # files worth a thread of the native check
 
 
 def changed_files(root: str, names: bytes, sizes: np.ndarray, mtimes: np.ndarray) -> list[int]:
@@ -43,16 +41,16 @@ class FileCheck:
         self.children: list[tuple[int, subprocess.Popen]] = []
         self.feeders: list[threading.Thread] = []
         self.failure: Exception | None = None
-        self.native: list = []
+        self.native: native_stat.NativeStats | None = None
         count = len(self.sizes)
         lib = native_stat.library() if count else None
         if lib is not None:
             try:
-                self.native = native_stat.start(lib, root, names, sizes, mtimes, _threads(count))
-                return
+                threads = native_stat.workers_for(count)
+                self.native = native_stat.start(lib, root, names, count, threads)
             except Exception as exc:
                 self.failure = exc
-                return
+            return
         processes = stat_processes(count)
         if processes > 1:
             try:
@@ -70,10 +68,11 @@ class FileCheck:
     def changed(self) -> list[int]:
         """The indices of the changed files, in order (a failing child: the whole check again
         in this process, with one warning)."""
-        if self.native and self.failure is None:
+        if self.native is not None and self.failure is None:
             try:
-                flags = [future.result() for future in self.native]
-                return [lo + int(i) for lo, got in flags for i in np.flatnonzero(got)]
+                sizes, mtimes, regular = self.native.result()
+                differ = ~regular | (sizes != self.sizes) | (mtimes != self.mtimes)
+                return np.flatnonzero(differ).tolist()
             except Exception as exc:
                 self.failure = exc
         if self.children and self.failure is None:
@@ -153,17 +152,6 @@ def _feed(pipe, pieces: list) -> None:
         pass
 
 
-def _threads(count: int) -> int:
-    """Threads for the native check: one per PER_THREAD files, up to the cores (or forced)."""
-    forced = os.environ.get("SPLITSTAGE_STAT_PROCESSES", "")
-    if forced.isdigit() and int(forced) >= 1:
-        return min(int(forced), count)
-    return max(1, min(os.cpu_count() or 1, MAX_PROCESSES, count // PER_THREAD))
-
-
 def stat_processes(count: int) -> int:
-    """SPLITSTAGE_STAT_PROCESSES when set, else one per PER_PROCESS files, up to the cores."""
-    forced = os.environ.get("SPLITSTAGE_STAT_PROCESSES", "")
-    if forced.isdigit() and int(forced) >= 1:
-        return min(int(forced), max(1, count))
-    return max(1, min(os.cpu_count() or 1, MAX_PROCESSES, count // PER_PROCESS))
+    """Child processes for the Python check: one per PER_PROCESS files, up to the cores."""
+    return native_stat.workers_for(count, PER_PROCESS, MAX_PROCESSES)

@@ -1,7 +1,7 @@
 /* The stat loop of a data set's rerun check, in C: Python's os.stat costs ~1.5 us per call
  * above the syscall (its result object), which on 1M files is most of the check. Built on first
  * use by pipelines/native_stat.py with the system C compiler and called through ctypes (which
- * releases the GIL, so threads run slices in parallel). Same answer as stat_child.changed. */
+ * releases the GIL, so threads run slices in parallel). Same answers as os.stat. */
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,12 +22,14 @@ static const char *last_slash(const char *p, size_t len) {
     return NULL;
 }
 
-/* For `count` paths in `names` (under the folder `root`, each ending in a NUL, best grouped by
- * folder), sets flags[i] to 1 when path i is gone, no regular file, or its size or mtime_ns
- * differs from sizes[i] / mtimes[i], else 0. Returns the number flagged, or -1 when `root`
- * cannot be opened or memory runs out (the caller then checks another way). */
-long splitstage_changed(const char *root, const char *names, long count, const int64_t *sizes,
-                        const int64_t *mtimes, uint8_t *flags) {
+/* Stats `count` paths in `names` (under the folder `root`, each ending in a NUL, best grouped
+ * by folder: each folder is opened once and its files stat-ed relative to it, symlinks
+ * followed as os.stat does). For path i: regular[i] = 1 when it is a regular file, with its
+ * size and mtime_ns in sizes[i] / mtimes[i]; else regular[i] = 0 (gone, a folder, unreadable).
+ * Returns the number of regular files, or -1 when `root` cannot be opened or memory runs out
+ * (the caller then checks another way). */
+long splitstage_stat(const char *root, const char *names, long count, int64_t *sizes,
+                     int64_t *mtimes, uint8_t *regular) {
     int root_fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (root_fd < 0) return -1;
     const char *folder = NULL; /* the current folder: a prefix of some name, not terminated */
@@ -35,7 +37,7 @@ long splitstage_changed(const char *root, const char *names, long count, const i
     char *folder_path = NULL;
     size_t folder_cap = 0;
     int fd = -1;
-    long changed = 0;
+    long found = 0;
     const char *p = names;
     for (long i = 0; i < count; i++) {
         size_t len = strlen(p);
@@ -64,14 +66,15 @@ long splitstage_changed(const char *root, const char *names, long count, const i
         struct stat st;
         int failed = fd >= 0 ? fstatat(fd, slash ? slash + 1 : p, &st, 0)
                              : fstatat(root_fd, p, &st, 0); /* folder not openable: whole path */
-        int differs = failed != 0 || !S_ISREG(st.st_mode) || (int64_t)st.st_size != sizes[i] ||
-                      MTIME_NS(st) != mtimes[i];
-        flags[i] = (uint8_t)differs;
-        changed += differs;
+        int ok = failed == 0 && S_ISREG(st.st_mode);
+        regular[i] = (uint8_t)ok;
+        sizes[i] = ok ? (int64_t)st.st_size : -1;
+        mtimes[i] = ok ? MTIME_NS(st) : -1;
+        found += ok;
         p += len + 1;
     }
     if (fd >= 0 && fd != root_fd) close(fd);
     close(root_fd);
     free(folder_path);
-    return changed;
+    return found;
 }

@@ -52,49 +52,67 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.info("native stat helper not built (%s): checking with Python's os.stat", exc)
         return None
-    lib.splitstage_changed.restype = ctypes.c_long
-    lib.splitstage_changed.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_long]
-    lib.splitstage_changed.argtypes += [ctypes.c_void_p] * 3
+    lib.splitstage_stat.restype = ctypes.c_long
+    lib.splitstage_stat.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_long]
+    lib.splitstage_stat.argtypes += [ctypes.c_void_p] * 3
     return lib
 
 
-def start(
-    lib: ctypes.CDLL, root: str, names: bytes, sizes: np.ndarray, mtimes: np.ndarray, threads: int
-) -> list[Future]:
-    """Start the check of `names` (NUL-joined) in `threads` slices; each future gives (lo,
-    flags) or raises. The buffers are kept alive by the futures' closures."""
-    count = len(sizes)
+class NativeStats:
+    """A started stat of many files on threads (see `start`); `result()` waits and gives the
+    columns (size, mtime_ns: -1 where not a regular file; regular: bool)."""
+
+    def __init__(self, futures: list[Future], sizes, mtimes, regular) -> None:
+        self.futures, self.sizes, self.mtimes, self.regular = futures, sizes, mtimes, regular
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        for future in self.futures:
+            future.result()
+        return self.sizes, self.mtimes, self.regular.astype(bool)
+
+
+def start(lib: ctypes.CDLL, root: str, names: bytes, count: int, threads: int) -> NativeStats:
+    """Start the stat of `count` files (`names`: NUL-joined paths under `root`, best grouped by
+    folder) in `threads` slices. The buffers live as long as the returned object."""
+    sizes = np.full(count, -1, np.int64)
+    mtimes = np.full(count, -1, np.int64)
+    regular = np.zeros(count, np.uint8)
     if not count:
-        return []
+        return NativeStats([], sizes, mtimes, regular)
     text = names + b"\0"  # every name NUL-terminated, the last one too
     ends = np.flatnonzero(np.frombuffer(text, np.uint8) == 0)
     if len(ends) != count:
         raise ValueError(f"{len(ends)} names for {count} files")
-    sizes = np.ascontiguousarray(sizes, np.int64)
-    mtimes = np.ascontiguousarray(mtimes, np.int64)
-    flags = np.zeros(count, np.uint8)
     root_bytes = os.fsencode(root)
 
-    def run(lo: int, hi: int) -> tuple[int, np.ndarray]:
+    def run(lo: int, hi: int) -> None:
         offset = int(ends[lo - 1]) + 1 if lo else 0
         first = ctypes.cast(ctypes.c_char_p(text), ctypes.c_void_p).value + offset  # no copy
-        got = lib.splitstage_changed(
+        got = lib.splitstage_stat(
             root_bytes,
             first,
             hi - lo,
             sizes[lo:].ctypes.data,
             mtimes[lo:].ctypes.data,
-            flags[lo:].ctypes.data,
+            regular[lo:].ctypes.data,
         )
         if got < 0:
             raise OSError(f"native stat could not open {root!r}")
-        return lo, flags[lo:hi]
 
     step = -(-count // max(1, threads))
     pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="file-stats")
     futures = [pool.submit(run, lo, min(count, lo + step)) for lo in range(0, count, step)]
     pool.shutdown(wait=False)
-    return futures
+    return NativeStats(futures, sizes, mtimes, regular)
+
+
+def workers_for(count: int, per_worker: int = 20_000, most: int = 8) -> int:
+    """Threads (or processes) worth starting to stat `count` files: one per `per_worker`, up to
+    the cores and `most`; SPLITSTAGE_STAT_PROCESSES, when set, forces the number."""
+    forced = os.environ.get("SPLITSTAGE_STAT_PROCESSES", "")
+    if forced.isdigit() and int(forced) >= 1:
+        return max(1, min(int(forced), count))
+    return max(1, min(os.cpu_count() or 1, most, count // per_worker))
 
 
 def _compiler() -> list[str] | None:

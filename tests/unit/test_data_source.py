@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
 from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from splitstage.pipelines import data_source
@@ -164,3 +167,36 @@ def test_source_reprs_and_pickles_carry_no_secrets():
     assert (copy.url, copy.credentials_block) == ("s3://bucket/data", "s3-bucket/b")
     assert copy._fs is None  # opened again (and credentials read again) where it is used
     assert "bucket/data" in repr(copy)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["a", "é", ".", "..", "", "b c"]), min_size=1, max_size=5))
+def test_listed_folders_are_the_dirnames_of_the_listing_keys(parts):
+    """The fast folder split agrees with posixpath.dirname on every key relative_key makes."""
+    for lead in ("", "/", "//"):
+        key = data_source.relative_key(lead + "/".join(parts))
+        assert data_source._folders_of([key]) == {posixpath.dirname(key)}, key
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_local_listing_is_the_same_with_and_without_the_native_stat(tmp_path, monkeypatch, native):
+    """Regular files only (symlinks followed, broken ones and folders left out), with the sizes
+    and mtimes os.stat gives, by either path."""
+    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", native)
+    data_source.native_stat.library.cache_clear()
+    try:
+        for rel, body in {"a/x.png": b"12", "a/é y.png": b"345", "top.png": b"6"}.items():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_bytes(body)
+        (tmp_path / "a" / "link.png").symlink_to(tmp_path / "top.png")
+        (tmp_path / "a" / "broken.png").symlink_to(tmp_path / "nowhere.png")
+        (tmp_path / "a" / "sub").mkdir()
+        got = DataSource(str(tmp_path)).listing(["a/x.png", "top.png"]).files
+        want = {}
+        for rel in ("a/x.png", "a/é y.png", "a/link.png", "top.png"):
+            stat = os.stat(tmp_path / rel)
+            want[rel] = (stat.st_size, stat.st_mtime_ns)
+        assert got == want
+        assert (data_source.native_stat.library() is not None) == (native == "1")
+    finally:
+        data_source.native_stat.library.cache_clear()
