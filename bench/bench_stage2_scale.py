@@ -10,11 +10,12 @@ embedding (stored once per shard), plus what the preprocessing coordinator write
 (its sample keys compact) and the index snapshot (`CacheStore.write_index_snapshot`, timed: from
 scratch, and again with a valid snapshot there, as a rerun writes it). Then, each in a fresh
 process: the index load time with the snapshot and without it (every entry read: the fallback),
-side by side; the resident-memory growth of the store + CacheDataset per cached sample (gc
-first; psutil); wall time from process start to the first batch of `CachedBatches(...).iterate(0)`
-after importing the stage-2 worker's modules (keys from the manifest, as a rank reads them when
-the cache matches the data set, and from a samples file); the same under `torchrun
---nproc-per-node 1`. Also the index bytes per sample in format 2 next to format 1.
+side by side; a preprocess rerun's cache check the same two ways; the resident-memory growth
+of the store + CacheDataset per cached sample (gc first; psutil); wall time from process start
+to the first batch of `CachedBatches(...).iterate(0)` after importing the stage-2 worker's
+modules (keys from the manifest, as a rank reads them when the cache matches the data set, and
+from a samples file); the same under `torchrun --nproc-per-node 1`. Also the index bytes per
+sample in format 2 next to format 1.
 Goals: memory <= 200 bytes per cached sample; start-up to the first batch <= 10 s.
 """
 
@@ -177,6 +178,25 @@ def measure_memory(root: str, snapshot: bool = True) -> dict:
     }
 
 
+def measure_check(root: str, snapshot: bool = True) -> dict:
+    """A preprocess rerun's cache check (`repair_cache`: "changed", every sample wanted, this
+    job's params, touch) in this fresh process; without `snapshot`, the check that reads every
+    index entry."""
+    import splitstage.tasks.cache.repair as repair
+    from splitstage.tasks.cache.store import CacheStore
+
+    if not snapshot:
+        repair.snapshot_check = lambda *args: None
+    store = CacheStore(root, CACHE_KEY)
+    wanted = set(store.read_manifest()["samples"])
+    t0 = time.perf_counter()
+    report = store.check(
+        "changed", keys=wanted, params=["height", "input_latents", "prompt_emb"], touch=True
+    )
+    seconds = time.perf_counter() - t0
+    return {"check_s": seconds, "report": [report.shards_checked, report.samples, report.ok]}
+
+
 def first_batch(root: str, samples_file: str | None) -> dict:
     """Wall time from process start to the first batch of CachedBatches.iterate(0)."""
     import splitstage.tasks.stage2.worker  # noqa: F401  (what a rank imports)
@@ -251,7 +271,9 @@ def main() -> None:
     parser.add_argument("--dir", default="runs/bench/stage2_scale")
     parser.add_argument("--no-torchrun", action="store_true")
     parser.add_argument("--write-part", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--measure", choices=("memory", "first-batch"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--measure", choices=("memory", "first-batch", "check"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--samples-file", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-snapshot", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -260,6 +282,8 @@ def main() -> None:
         return write_part(str(root), args.samples, args.shard_samples, args.write_part, 2)
     if args.measure == "memory":
         return print(json.dumps(measure_memory(str(root), not args.no_snapshot)))
+    if args.measure == "check":
+        return print(json.dumps(measure_check(str(root), not args.no_snapshot)))
     if args.measure == "first-batch":
         return print(json.dumps(first_batch(str(root), args.samples_file)))
 
@@ -270,6 +294,8 @@ def main() -> None:
     sizes = index_sizes(root)
     mem = child(["--measure", "memory", "--dir", str(root)])
     full = child(["--measure", "memory", "--dir", str(root), "--no-snapshot"])
+    quick_check = child(["--measure", "check", "--dir", str(root)])
+    full_check = child(["--measure", "check", "--dir", str(root), "--no-snapshot"])
     from splitstage.tasks.cache.store import CacheStore
 
     keys_file = root / "samples.safetensors"
@@ -318,6 +344,12 @@ def main() -> None:
     print(
         f"index load (fresh process): {snap_s:.2f} s from the snapshot, {full_s:.2f} s reading "
         f"every entry (ratio {snap_s / full_s:.3f}); CacheDataset on top: {mem['dataset_s']:.2f} s"
+    )
+    quick_s, slow_s = quick_check["check_s"], full_check["check_s"]
+    print(
+        f"preprocess rerun's cache check: {quick_s:.2f} s from the snapshot, {slow_s:.2f} s "
+        f"reading every entry (ratio {quick_s / slow_s:.3f}); same report "
+        f"{quick_check['report'] == full_check['report']} {quick_check['report']}"
     )
     for name, m in (("snapshot", mem), ("every entry", full)):
         print(

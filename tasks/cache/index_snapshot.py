@@ -202,7 +202,7 @@ def read_index(store: Any, *, tolerant: bool = False) -> tuple[CompactIndex, lis
     it listed but not snapshotted read it and raise)."""
     listing = store._list("index", ".json")
     stamps = {path: entry_stamp(info) for path, info in listing.items()}
-    index = _from_snapshot(store, listing, stamps, tolerant)
+    index = from_snapshot(store, listing, stamps, tolerant)
     if index is None:
         builder = IndexBuilder()
         _add(store, builder, sorted(listing), tolerant)
@@ -211,7 +211,7 @@ def read_index(store: Any, *, tolerant: bool = False) -> tuple[CompactIndex, lis
     return index, [stamps.get(store._path(index_file(i)), "") for i in ids]
 
 
-def _from_snapshot(store, listing, stamps, tolerant) -> CompactIndex | None:
+def from_snapshot(store, listing, stamps, tolerant) -> CompactIndex | None:
     """The snapshot merged with the entries added since; None when it does not hold."""
     found = _snapshot(store)
     if found is None:

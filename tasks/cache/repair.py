@@ -3,8 +3,9 @@
 `CacheChecks` is the part of `CacheStore` that checks the index against ONE listing of the
 shards (`check`), re-reads every shard (`verify`) and moves damaged entries with their shards to
 `quarantine/` (`quarantine`), so no reader sees them again and the next preprocess recomputes
-their samples. It reads every index entry itself (never the index snapshot): a check must see
-each entry as it is now.
+their samples. A check takes the entries the index snapshot holds by their listing stamps, as
+readers do (`snapshot_check`), and reads every entry itself when the snapshot does not hold or
+anything needs a closer look (then it sees each entry as it is now).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import splitstage.tasks.cache.storage as st
 from splitstage.tasks.cache.errors import CacheCorruptError
 from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.manifest import MANIFEST
+from splitstage.tasks.cache.snapshot_check import snapshot_check
 from splitstage.tasks.cache.storage import storage_errors
 
 QUARANTINE = "quarantine"
@@ -56,10 +58,14 @@ class CacheChecks:
         Damaged entries leave the listing, nothing moves; `touch` re-commits changed-but-good."""
         if checksums not in ("all", "changed", "none"):
             raise ValueError(f"checksums must be 'all', 'changed' or 'none', not {checksums!r}")
+        wanted = None if keys is None else set(keys)
+        if checksums != "all":  # reads only the entries the index snapshot does not hold
+            quick = snapshot_check(self, checksums, wanted, params)
+            if quick is not None:
+                return quick
         report = fmt.VerifyReport(self.url, checksums=checksums)
         entries, report.damaged, index_info, entry_bytes = self._read_index()
         shard_info = self._list("shards", ".safetensors")
-        wanted = None if keys is None else set(keys)
         intact, reread, changed = [], [], set()
         for entry in entries:
             info = shard_info.get(self._path(entry.shard))

@@ -232,6 +232,10 @@ class CacheStore(CacheChecks, WriteAhead):
                 return
         index, _ = read_index(self)
         release_freed_memory()
+        self._use_index(index)
+
+    def _use_index(self, index: CompactIndex) -> None:
+        """Take `index`, read just now, as the cached listing (entry digests from it)."""
         with self._lock:
             self._index, self._pending, self._seen = index, [], _Seen()
 

@@ -219,6 +219,10 @@ def _write(store: CacheStore, shard, report: ShardReport) -> None:
     limit = os.environ.get("SPLITSTAGE_FAULT_KILL_AFTER_SHARDS")
     if limit and report.shards_written >= int(limit):
         os.kill(os.getpid(), signal.SIGKILL)
+    # ... and SPLITSTAGE_FAULT_PAUSE_AFTER_SHARDS=N stops it committing, to be killed from outside.
+    pause = os.environ.get("SPLITSTAGE_FAULT_PAUSE_AFTER_SHARDS")
+    if pause and report.shards_written >= int(pause):
+        time.sleep(3600)
 
 
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex, verify):

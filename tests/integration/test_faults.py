@@ -96,7 +96,9 @@ def start_preprocess(config, tmp: Path, workers: int, **env) -> subprocess.Popen
 
 def test_whole_preprocess_run_killed_then_rerun_loses_nothing(assets, tmp_path):
     config = job(assets, tmp_path)
-    proc = start_preprocess(config, tmp_path, workers=2)
+    # Each worker stops committing after its first shard: the kill lands mid-run however fast
+    # the workers are (they could otherwise finish between two looks at the cache).
+    proc = start_preprocess(config, tmp_path, workers=2, SPLITSTAGE_FAULT_PAUSE_AFTER_SHARDS="1")
     store = open_cache(config, make_plan(config))
     deadline = time.time() + 120
     while time.time() < deadline and not store.committed_keys():
