@@ -199,7 +199,12 @@ def test_cache_on_s3(assets, tmp_path, s3_bucket, monkeypatch):
     )
     assert preprocess(config, workers=2, progress=False).computed == 24
     assert_index_from_snapshot(config, monkeypatch)  # stamps from S3 listings (ETags)
-    assert preprocess(config, workers=1, progress=False).computed == 0
+    reads: list[str] = []
+    real = CacheStore._scan
+    with monkeypatch.context() as m:  # the rerun's cache check: from the snapshot too
+        m.setattr(CacheStore, "_scan", lambda self, paths: reads.extend(paths) or real(self, paths))
+        assert preprocess(config, workers=1, progress=False).computed == 0
+    assert reads == []
     assert len(cached(config)) == 24
 
 
