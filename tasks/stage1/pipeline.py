@@ -25,7 +25,6 @@ the call returns.
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from splitstage.pipelines.data import DataError
+from splitstage.tasks.switch_interval import shorter_switch_interval
 
 Record = dict[str, Any]
 _DONE = object()
@@ -81,12 +81,8 @@ class Stage1Pipeline:
 
     def run(self, todo: Sequence[tuple[Any, str]]) -> None:
         """Decode, compute and write every (row, key) of `todo`; see the module docstring."""
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(min(previous, self.switch_interval))
-        try:
+        with shorter_switch_interval(self.switch_interval):
             self._start(todo)
-        finally:
-            sys.setswitchinterval(previous)
 
     def _start(self, todo: Sequence[tuple[Any, str]]) -> None:
         """Start the decode pool and the writer, run, and stop both whatever happens."""
