@@ -23,6 +23,7 @@ from splitstage.cli import main
 from splitstage.pipelines.config import load_config
 from splitstage.pipelines.demo.weights import build_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.tasks.hash_memo import FOLDER
 from splitstage.tasks.plan import make_plan, open_cache
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,8 @@ def job(golden, tmp_path, capsys) -> tuple[Path, Path]:
     shutil.copytree(golden / "cache", tmp_path / "cache")
     toml = tmp_path / "job.toml"
     toml.write_text(config_text(golden, f"{tmp_path}/cache"))
-    return toml, next((tmp_path / "cache").iterdir())
+    found = (tmp_path / "cache").iterdir()  # the cache key's folder, not the data memo's
+    return toml, next(p for p in found if p.name != FOLDER)
 
 
 def preprocess(toml: Path, capsys) -> dict:

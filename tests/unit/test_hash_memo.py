@@ -16,6 +16,13 @@ from splitstage.pipelines.data import load_metadata, sample_keys
 from splitstage.tasks import hash_memo
 from splitstage.tasks.data_index import index_data_set
 from splitstage.tasks.hash_memo import FOLDER, HashMemo
+from splitstage.tasks.index_memo import SUFFIX
+
+
+def hash_memo_file(config) -> Path:
+    """The hash memo's file (not the index memo beside it: listing order is the file system's)."""
+    folder = Path(config.cache.url) / FOLDER
+    return next(p for p in folder.iterdir() if not p.name.endswith(SUFFIX))
 
 
 def _age(path: Path, seconds: float = 60) -> None:
@@ -75,7 +82,7 @@ def test_stale_entry_with_forged_version_is_not_used(job, monkeypatch):
     one that matches is: the memo is keyed by exactly what the listing sees."""
     config, data = job
     index_data_set(config)
-    memo_file = next((Path(config.cache.url) / FOLDER).iterdir())
+    memo_file = hash_memo_file(config)
     memo = HashMemo.decode(memo_file.read_bytes(), str(data))
     st = (data / "img" / "0.png").stat()
     assert memo.lookup("img/0.png", st.st_size, st.st_mtime_ns) is not None
@@ -103,7 +110,7 @@ def test_files_within_the_mtime_tick_are_never_memoized(job):
 def test_corrupt_memo_is_ignored_with_one_warning_and_rebuilt(job, caplog):
     config, data = job
     index_data_set(config)
-    memo_file = next((Path(config.cache.url) / FOLDER).iterdir())
+    memo_file = hash_memo_file(config)
     memo_file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with caplog.at_level(logging.WARNING, logger=hash_memo.__name__):
         index = index_data_set(config)
@@ -117,7 +124,7 @@ def test_corrupt_memo_is_ignored_with_one_warning_and_rebuilt(job, caplog):
 def test_damaged_memos_never_give_a_key(job, caplog, damage):
     config, data = job
     index_data_set(config)
-    memo_file = next((Path(config.cache.url) / FOLDER).iterdir())
+    memo_file = hash_memo_file(config)
     raw = memo_file.read_bytes()
     listing = hash_memo.Listing({"img/0.png": (1, 5)}, time.time_ns(), True)
     if damage == "truncate":
