@@ -80,23 +80,24 @@ def _owner(problem: ShardProblem, num_shards: int) -> int:
 
 
 def repair_cache(
-    store: CacheStore, plan: JobPlan, keys: set[str], shard: int, num_shards: int, verify: bool
-) -> ShardReport:
+    store: CacheStore, plan: JobPlan, keys: list[str], shard: int, num_shards: int, verify: bool
+) -> tuple[ShardReport, list[bool]]:
     """Check the cache for `keys` and move the damaged entries this worker owns to quarantine/;
-    the store then lists only intact samples. Returns the counts: damaged entries moved, and
-    `repaired`: samples of `keys` to compute again (a damaged copy, or the manifest lists them)."""
+    the store then lists only intact samples. Returns the counts (damaged entries moved, and
+    `repaired`: samples of `keys` to compute again: a damaged copy, or the manifest lists them)
+    and, per key, whether an intact copy is cached."""
     check = store.check(
         "all" if verify else "changed", keys=keys, params=plan.split.boundary_params, touch=True
     )
     ours = [p for p in check.damaged if p.kind != "manifest" and _owner(p, num_shards) == shard]
     moved = store.quarantine(ours)
-    wanted = list(keys)
-    uncached = {k for k, cached in zip(wanted, store.contains(wanted).tolist()) if not cached}
+    cached = store.contains(keys).tolist()  # arrays: no set of 10^6 keys
+    uncached = {k for k, done in zip(keys, cached) if not done}
     listed: set[str] = set()
     if uncached:  # (a rerun with everything cached reads no manifest: 10^6 keys cost ~0.5 s)
         with contextlib.suppress(CacheCorruptError):  # rewritten at the end of the run
             listed = set((store.read_manifest() or {}).get("samples", []))
-    return ShardReport(
+    report = ShardReport(
         shard,
         num_shards,
         damaged=len(moved),
@@ -104,6 +105,7 @@ def repair_cache(
         bytes_verified=check.bytes_checked,
         quarantined=moved,
     )
+    return report, cached
 
 
 def preprocess_shard(
@@ -129,9 +131,8 @@ def preprocess_shard(
     store = open_cache(config, plan)
     keys = data.keys
     mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
-    report = repair_cache(store, plan, {keys[i] for i in mine}, shard, num_shards, verify)
+    report, cached = repair_cache(store, plan, [keys[i] for i in mine], shard, num_shards, verify)
     report.skipped, report.assigned = len(data.skipped), len(mine)
-    cached = store.contains([keys[i] for i in mine]).tolist()  # arrays: no set of 10^6 keys
     todo = [(data.rows[i], keys[i]) for i, done in zip(mine, cached) if not done]  # rows built here
     report.reused = len(mine) - len(todo)
     if todo:
