@@ -8,7 +8,9 @@ its one-line reason to RUN_DIR/error.json and exits with 2; the launcher reports
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -35,6 +37,7 @@ def report_error(run_dir: Path, error: UserError) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Train one rank to the end of the run the spec file describes."""
     argv = sys.argv[1:] if argv is None else argv
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal shows where it was
     spec = json.loads(Path(argv[0]).read_text())
     trainer_cls = Trainer
     if spec["config"]["train"]["parallelism"] == "pp":  # torch's pipelining: ~1 s of imports
@@ -50,5 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(code: int) -> None:
+    """Flush and exit without the interpreter's teardown: a gloo thread still alive while
+    Python and C++ statics are torn down aborts a rank ("terminate called without an active
+    exception") after its results were written, failing a finished run (seen in CI, tp runs)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
