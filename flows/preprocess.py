@@ -25,6 +25,7 @@ from splitstage.flows.artifacts import (
     publish_plan,
 )
 from splitstage.flows.tasks import (
+    check_cache,
     finish_preprocess,
     index_data,
     plan_job,
@@ -144,12 +145,16 @@ def preprocess_flow(
         f"{config.cache.url} ({plan.cache_key}); {num_shards} shard(s), {fan_out}"
     )
     reports = None  # without shard reports the figures come from the cache index
-    if new and fan_out == "deployment":
+    cached = None if new else check_cache(config, plan, data)  # damage found: shards repair it
+    workers = 0 if cached else num_shards
+    if cached:
+        reports = [cached]
+    elif fan_out == "deployment":
         run_deployment_shards(config, num_shards, deployment)
-    elif new:
+    else:
         reports = run_local_shards(config, plan, data, num_shards, new)
     prompts = validation_prompts_task(config, plan)  # shard 0 did it, unless no shard ran
-    report = finish_preprocess(config, plan, data, reports, before, num_shards, started)
+    report = finish_preprocess(config, plan, data, reports, before, workers, started)
     report.validation_prompts = prompts
     publish_cache_stats(config, report)
     logger.info(report.line())

@@ -27,6 +27,7 @@ from splitstage.tasks.stage1.preprocess import (
     CacheSnapshot,
     PreprocessReport,
     ShardReport,
+    all_cached,
     preprocess_shard,
     snapshot,
     summarize_preprocess,
@@ -91,6 +92,13 @@ def index_data(config: SplitstageConfig) -> DataIndex:
 def snapshot_cache(config: SplitstageConfig, plan: JobPlan) -> CacheSnapshot:
     """Read the cache index once: what preprocessing will reuse, and the figures to diff later."""
     return snapshot(open_cache(config, plan))
+
+
+@_io_task("check-cache", timeout_seconds=1800)
+def check_cache(config: SplitstageConfig, plan: JobPlan, data: DataIndex) -> ShardReport | None:
+    """With nothing new to compute: the run's report when the cache is intact (shards modified
+    after their index entry re-read), None when shards must run to repair it."""
+    return all_cached(config, plan, data, prompts=False)  # the flow encodes prompts itself
 
 
 @_io_task(

@@ -60,14 +60,22 @@ def encode(plan: JobPlan, models: dict, device: torch.device, prompts, negatives
         return family.prompt_conditioning(ctx, prompts), family.prompt_conditioning(ctx, negatives)
 
 
+def validation_prompts_written(config: SplitstageConfig, plan: JobPlan) -> bool:
+    """Whether nothing is left to encode: validation is off or its prompts' file is there."""
+    if not config.validation.enabled:
+        return True
+    fs, path, url = prompts_path(config, plan)
+    with storage_errors(url, "check", config.cache.storage_options):
+        return fs.exists(path)
+
+
 def write_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> str | None:
     """Encode the validation prompts into their file unless it is there; its URL (or None)."""
     if not config.validation.enabled:
         return None
     fs, path, url = prompts_path(config, plan)
-    with storage_errors(url, "check", config.cache.storage_options):
-        if fs.exists(path):
-            return url
+    if validation_prompts_written(config, plan):
+        return url
     device = pick_device(config.preprocess.device)
     family = plan.family
     models = {name: family.build_model(name, device) for name in family.prompt_models()}

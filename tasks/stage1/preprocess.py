@@ -8,8 +8,9 @@ Before computing, a worker checks the cache (`CacheStore.check`): one listing of
 `shards/` finds unreadable index entries, missing or resized shards and entries with other params;
 shards modified after their index entry (or, with `verify=True`, every shard of its samples) are
 re-read for sha256. Damaged entries are moved to `quarantine/` (by ONE worker: the one owning the
-entry's first sample) and reported; their samples are recomputed like new ones. The reports and
-the coordinator's manifest are in `report` (re-exported here).
+entry's first sample) and reported; their samples are recomputed like new ones. With everything
+cached intact the coordinator's own check (`all_cached`) answers and no worker starts. The
+reports and the coordinator's manifest are in `report` (re-exported here).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ from splitstage.tasks.stage1.report import (
     summarize_preprocess,
     summarize_shards,
 )
-from splitstage.tasks.validation_prompts import write_validation_prompts
+from splitstage.tasks.validation_prompts import (
+    validation_prompts_written,
+    write_validation_prompts,
+)
 
 ProgressFn = Callable[[int, int], None]
 __all__ = [  # the reports live in `report`; importers reach them from here too
@@ -57,6 +61,7 @@ __all__ = [  # the reports live in `report`; importers reach them from here too
     "preprocess",
     "preprocess_shard",
     "shard_of",
+    "all_cached",
     "snapshot",
     "stage1_pipeline",
     "summarize_preprocess",
@@ -140,6 +145,27 @@ def preprocess_shard(
     if shard == 0:  # once per run, on a worker (where the encoders belong): not sharded
         report.validation_prompts = write_validation_prompts(config, plan)
     report.seconds = time.perf_counter() - started
+    return report
+
+
+def all_cached(
+    config: SplitstageConfig, plan: JobPlan, data: DataIndex, *, prompts: bool = True
+) -> ShardReport | None:
+    """The coordinator's own check before it starts workers: when every sample has an intact
+    cached copy, nothing is damaged and (`prompts`) the validation prompts are encoded, the
+    run's report (no worker to start: on a rerun that costs seconds of imports); else None
+    (workers check, repair and compute exactly as without it)."""
+    store = open_cache(config, plan)
+    keys = data.keys
+    check = store.check("changed", keys=keys, params=plan.split.boundary_params, touch=True)
+    if check.damaged or not bool(store.contains(keys).all()):
+        return None
+    if prompts and not validation_prompts_written(config, plan):
+        return None
+    report = ShardReport(0, 1, assigned=len(keys), reused=len(keys), skipped=len(data.skipped))
+    report.bytes_verified = check.bytes_checked
+    if prompts:
+        report.validation_prompts = write_validation_prompts(config, plan)  # there: its URL
     return report
 
 
@@ -261,6 +287,8 @@ def preprocess(
         workers = 1
     elif workers == 1:
         reports = [preprocess_shard(config, 0, 1, **run)]
+    elif not verify and (cached := all_cached(config, plan, data)):
+        reports, workers = [cached], 0  # nothing to compute: no worker started
     else:
         threads = int(os.environ.get("SPLITSTAGE_PREPROCESS_THREADS", 0)) or max(
             1, (os.cpu_count() or 1) // workers

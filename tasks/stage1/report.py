@@ -53,7 +53,7 @@ class PreprocessReport:
     bytes_written: int = 0
     shards_written: int = 0
     seconds: float = 0.0
-    workers: int = 1
+    workers: int = 1  # worker processes started (0: all was cached, the coordinator checked)
     skipped_rows: list[tuple[int, str]] = field(default_factory=list)
     damaged: int = 0  # damaged index entries (and their shards) moved to quarantine/
     repaired: int = 0  # computed samples the cache had lost (damaged, or listed by the manifest)
@@ -65,10 +65,11 @@ class PreprocessReport:
     def line(self) -> str:
         """The one-line summary the CLI prints."""
         mb = self.bytes_written / 1e6
+        who = f"{self.workers} workers" if self.workers else "all cached: no worker started"
         line = (
             f"preprocess {self.cache_key}: {self.samples} samples, {self.computed} computed, "
             f"{self.reused} reused, {self.skipped} skipped, {mb:.2f} MB written in "
-            f"{self.shards_written} shards, {self.seconds:.1f} s ({self.workers} workers)"
+            f"{self.shards_written} shards, {self.seconds:.1f} s ({who})"
         )
         if self.damaged or self.repaired:
             line += f"; repaired the cache: {self.repaired} lost samples computed again"

@@ -235,6 +235,15 @@ def test_preprocess_flow_on_s3_keeps_credentials_out_of_the_dashboard(
     assert any(s3_endpoint in text for text in texts)  # the parameters were searched
     leaks = [t for t in texts if CANARY_SECRET in t or CANARY_KEY_ID in t]
     assert not leaks
+    again = preprocess_flow(config, shards=2)  # all cached: the flow's check, no shard runs
+    assert (again["computed"], again["reused"], again["workers"]) == (0, 8, 0)
+    shard = sorted(fs.ls(f"{root}/shards"))[0]
+    data = bytearray(fs.cat_file(shard))
+    data[-1] ^= 0xFF  # rewritten after its index entry, same size: found only by its sha256
+    fs.pipe_file(shard, bytes(data))
+    fixed = preprocess_flow(config, shards=2)
+    assert (fixed["workers"], fixed["damaged"], fixed["computed"]) == (2, 1, fixed["repaired"])
+    assert fixed["computed"] > 0
 
 
 @pytest.mark.slow

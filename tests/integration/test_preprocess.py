@@ -102,6 +102,29 @@ def test_worker_count_does_not_change_the_cache(assets, tmp_path):
             assert torch.equal(value, b[key][param]), (key, param)
 
 
+def test_a_rerun_with_all_cached_starts_no_worker_and_damage_still_does(
+    assets, tmp_path, monkeypatch
+):
+    import splitstage.tasks.stage1.preprocess as stage1
+
+    config = make_config(assets, tmp_path)
+    preprocess(config, workers=1, progress=False)
+    with monkeypatch.context() as m:  # the coordinator's check answers: no pool is made
+        m.setattr(stage1, "ProcessPoolExecutor", None)
+        again = preprocess(config, workers=2, progress=False)
+    assert (again.computed, again.reused, again.workers, again.damaged) == (0, 24, 0, 0)
+    assert "(all cached: no worker started)" in again.line()
+    shard = sorted((tmp_path / "cache").rglob("shards/*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # rewritten in place after its index entry, same size: only sha256 tells
+    shard.write_bytes(bytes(data))
+    later = os.stat(shard).st_mtime + 5
+    os.utime(shard, (later, later))
+    fixed = preprocess(config, workers=2, progress=False)
+    assert (fixed.workers, fixed.damaged, fixed.repaired, fixed.computed) == (2, 1, 8, 8)
+    assert preprocess(config, workers=2, progress=False).workers == 0
+
+
 def test_stage_one_never_builds_the_denoiser(assets, tmp_path, monkeypatch):
     built = []
     real = DemoFamily.build_model
