@@ -72,16 +72,29 @@ def unet_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
 
 
 def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance, size):
-    """SD3: FlowMatchEuler with the config's shift, classifier-free guided."""
+    """SD3: FlowMatchEuler with the config's shift (or, with `use_dynamic_shifting`, one for the
+    image's token count, as SD3's pipeline), classifier-free guided."""
     from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
     model = ctx.model(family.denoiser, "sample")
     dtype = next(model.parameters()).dtype
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(family.scheduler_config)
-    scheduler.set_timesteps(steps)
+    config = family.scheduler_config
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     count = cond["prompt_embeds"].shape[0]
     channels = int(family.vae_config["latent_channels"])
     height, width = latent_shape(family, size)
+    shift = {}
+    if config.get("use_dynamic_shifting"):
+        patch = int(family.folder.config("transformer").get("patch_size", 2))
+        shift["mu"] = calculate_shift(
+            (height // patch) * (width // patch),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
+    scheduler.set_timesteps(steps, **shift)
     x = torch.randn(count, channels, height, width, generator=generator).to(ctx.device)
 
     def velocity(latents: torch.Tensor, t: torch.Tensor, conditional: bool) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -13,7 +16,14 @@ from splitstage.tasks.validation_prompts import encode
 from splitstage.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
-FAMILY = {"sd": "sd", "sd2": "sd", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux"}
+FAMILY = {
+    "sd": "sd",
+    "sd2": "sd",
+    "sdxl": "sdxl",
+    "sd3": "sd3",
+    "sd3-dynamic-shift": "sd3",  # the scheduler shifts by token count (use_dynamic_shifting)
+    "flux": "flux",
+}
 PIPELINE = {
     "sd": "StableDiffusionPipeline",
     "sdxl": "StableDiffusionXLPipeline",
@@ -27,7 +37,15 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("sampling")
-    return {kind: write_tiny_folder(kind, root / kind) for kind in FAMILY}
+    shifting = "sd3-dynamic-shift"
+    folders = {kind: write_tiny_folder(kind, root / kind) for kind in FAMILY if kind != shifting}
+    shifted = shutil.copytree(folders["sd3"], root / shifting)
+    scheduler = shifted / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(
+        json.dumps(json.loads(scheduler.read_text()) | {"use_dynamic_shifting": True})
+    )
+    folders[shifting] = shifted
+    return folders
 
 
 def family_plan(folder, kind: str):
