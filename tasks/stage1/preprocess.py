@@ -149,13 +149,18 @@ def preprocess_shard(
 
 
 def all_cached(
-    config: SplitstageConfig, plan: JobPlan, data: DataIndex, *, prompts: bool = True
+    config: SplitstageConfig,
+    plan: JobPlan,
+    data: DataIndex,
+    *,
+    prompts: bool = True,
+    store: CacheStore | None = None,
 ) -> ShardReport | None:
     """The coordinator's own check before it starts workers: when every sample has an intact
     cached copy, nothing is damaged and (`prompts`) the validation prompts are encoded, the
     run's report (no worker to start: on a rerun that costs seconds of imports); else None
-    (workers check, repair and compute exactly as without it)."""
-    store = open_cache(config, plan)
+    (workers check, repair and compute exactly as without it). `store`: the caller's, if open."""
+    store = store or open_cache(config, plan)
     keys = data.keys
     check = store.check("changed", keys=keys, params=plan.split.boundary_params, touch=True)
     if check.damaged or not bool(store.contains(keys).all()):
@@ -287,7 +292,7 @@ def preprocess(
         workers = 1
     elif workers == 1:
         reports = [preprocess_shard(config, 0, 1, **run)]
-    elif not verify and (cached := all_cached(config, plan, data)):
+    elif not verify and (cached := all_cached(config, plan, data, store=store)):
         reports, workers = [cached], 0  # nothing to compute: no worker started
     else:
         threads = int(os.environ.get("SPLITSTAGE_PREPROCESS_THREADS", 0)) or max(
