@@ -85,9 +85,10 @@ class TorchrunSpec:
 
 
 def build_command(spec: TorchrunSpec, *, log_dir: str | None = None) -> list[str]:
-    """The torchrun command line for `spec` (run through `spec.python -m torch.distributed.run`)."""
+    """The torchrun command line for `spec`: `spec.python -m splitstage.tasks.stage2.agent`, which
+    is torchrun (`torch.distributed.run`) made to exit once done (see that module)."""
     spec.validate()
-    cmd = [spec.python, "-m", "torch.distributed.run"]
+    cmd = [spec.python, "-m", "splitstage.tasks.stage2.agent"]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         cmd.append("--standalone")  # c10d on localhost, port picked by the OS: no port race
     else:

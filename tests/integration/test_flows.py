@@ -267,7 +267,7 @@ def test_cancelling_training_ends_the_torchrun_process_tree(prefect_harness, tin
     runner.start()
     flow_run_id = wait_for_training_processes(timeout=90)
     tree = training_processes()
-    assert any("torch.distributed.run" in command(p) for p in tree)
+    assert any("splitstage.tasks.stage2.agent" in command(p) for p in tree)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
     runner.join(timeout=60)
@@ -293,7 +293,7 @@ def training_processes() -> list[psutil.Process]:
     return [
         p
         for p in psutil.Process().children(recursive=True)
-        if "torch.distributed.run" in command(p) or "splitstage.tasks.stage2.worker" in command(p)
+        if any(f"splitstage.tasks.stage2.{m}" in command(p) for m in ("agent", "worker"))
     ]
 
 

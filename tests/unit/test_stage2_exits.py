@@ -1,0 +1,81 @@
+"""How stage-2 processes leave: the worker (code, output kept, stacks on signals), the agent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+LEAVE = (
+    "import sys\n"
+    "from splitstage.tasks.stage2.worker import leave\n"
+    "print('written', end='')\n"
+    "print('to stderr', end='', file=sys.stderr)\n"
+    "leave(3)\n"
+    "print('never')\n"
+)
+
+TRACES = (
+    "import faulthandler\n"
+    "from splitstage.tasks.stage2.worker import main\n"
+    "try:\n"
+    "    main(['/nonexistent/spec.json'])\n"
+    "except FileNotFoundError:\n"
+    "    print(faulthandler.is_enabled(), end='')\n"
+)
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_leave_keeps_the_exit_code_and_flushes_piped_output():
+    done = run(LEAVE)
+    assert done.returncode == 3
+    assert done.stdout == "written"  # block-buffered on a pipe: lost by a bare os._exit
+    assert done.stderr == "to stderr"
+
+
+def test_a_rank_shows_its_python_stack_if_a_signal_kills_it():
+    done = run(TRACES)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "True"  # faulthandler: SIGABRT/SIGSEGV print every thread's frames
+
+
+AGENT_WITH_A_THREAD_LEFT = (
+    "import sys, threading\n"
+    "import torch.distributed.run as torchrun\n"
+    "from splitstage.tasks.stage2 import agent\n"
+    "def main(args):\n"  # torchrun returns, a thread it started still waiting (its log tails)
+    "    threading.Thread(target=threading.Event().wait).start()\n"
+    "    raise SystemExit(int(args[0]))\n"
+    "torchrun.main = main\n"
+    "sys.argv = ['agent', sys.argv[1]]\n"
+    "agent.main()\n"
+)
+
+
+def test_the_torchrun_agent_exits_with_its_code_though_a_thread_is_left():
+    for code in (0, 3):
+        done = subprocess.run(
+            [sys.executable, "-c", AGENT_WITH_A_THREAD_LEFT, str(code)],
+            capture_output=True,
+            text=True,
+            timeout=120,  # a plain interpreter exit would wait for the thread forever
+        )
+        assert done.returncode == code, done.stderr
+
+
+def test_the_torchrun_agent_runs_torchrun(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'])\nsys.exit(0)\n")
+    agent = [sys.executable, "-m", "splitstage.tasks.stage2.agent", "--standalone"]
+    ok = subprocess.run(
+        [*agent, "--nproc-per-node=1", str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert ok.returncode == 0 and "rank 0" in ok.stdout, ok.stderr
+    script.write_text("import sys\nsys.exit(5)\n")
+    failed = subprocess.run(
+        [*agent, "--nproc-per-node=1", str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert failed.returncode == 1
+    assert "ChildFailedError" in failed.stderr and "exitcode" in failed.stderr
