@@ -85,8 +85,7 @@ class TorchrunSpec:
 
 
 def build_command(spec: TorchrunSpec, *, log_dir: str | None = None) -> list[str]:
-    """The torchrun command line for `spec`: `spec.python -m splitstage.tasks.stage2.agent`, which
-    is torchrun (`torch.distributed.run`) made to exit once done (see that module)."""
+    """The torchrun command line for `spec` (`spec.python -m` our agent: torchrun that exits)."""
     spec.validate()
     cmd = [spec.python, "-m", "splitstage.tasks.stage2.agent"]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
