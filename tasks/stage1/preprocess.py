@@ -49,6 +49,7 @@ from splitstage.tasks.stage1.report import (
     summarize_shards,
 )
 from splitstage.tasks.validation_prompts import (
+    prompts_path,
     validation_prompts_written,
     write_validation_prompts,
 )
@@ -169,8 +170,8 @@ def all_cached(
         return None
     report = ShardReport(0, 1, assigned=len(keys), reused=len(keys), skipped=len(data.skipped))
     report.bytes_verified = check.bytes_checked
-    if prompts:
-        report.validation_prompts = write_validation_prompts(config, plan)  # there: its URL
+    if prompts and config.validation.enabled:
+        report.validation_prompts = prompts_path(config, plan)[2]  # checked above: it is there
     return report
 
 
