@@ -3,7 +3,7 @@ is `torchrun ARGS` ending in os._exit once torchrun's main returns or raises.
 
 Measured here: when the agent is SIGTERMed (its launcher died, PR_SET_PDEATHSIG) its shutdown can
 skip stopping its log-tail threads (`--tee`), and the interpreter then waits for them forever: an
-orphan agent per killed launcher (1 in 6-8 runs of tests/integration/test_launcher_death.py).
+orphan agent per killed launcher (4 of ~19 runs of tests/integration/test_launcher_death.py).
 Its workers are already stopped by then; nothing is lost by not joining those threads.
 """
 
