@@ -33,16 +33,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-import psutil
 from fsspec.asyn import sync
 
 from splitstage.splitter import UserError
 from splitstage.tasks.cache import storage
+from splitstage.tasks.stage2 import liveness
 
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "LEASE.json"
-FORMAT = "splitstage-run-lease/1"
+FORMAT = "splitstage-run-lease/2"  # /2: pid_started in seconds since boot (Linux)
 _FAILED = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}  # condition not met
 
 
@@ -103,27 +103,12 @@ def _ours(seen: _Seen | None, holder: str) -> bool:
     return seen is not None and seen.info is not None and seen.info.holder == holder
 
 
-def _machine_id() -> str:
-    """Hostname + boot time + PID namespace: containers sharing a hostname do not share pids."""
-    host = f"{socket.gethostname()}/{psutil.boot_time():.0f}"
-    with contextlib.suppress(OSError):
-        return f"{host}/{os.readlink('/proc/self/ns/pid')}"
-    return host
-
-
-_MACHINE = _machine_id()
+_MACHINE = liveness.machine_id()
 
 
 def _holder_dead(info: LeaseInfo) -> bool:
     """True when the holder ran on this machine and its process is gone (or its pid was reused)."""
-    if info.machine != _MACHINE:
-        return False
-    try:
-        proc = psutil.Process(info.pid)
-        reused = info.pid_started and abs(proc.create_time() - info.pid_started) > 1.0
-        return bool(reused) or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error as exc:  # gone: dead; access denied: assume alive
-        return isinstance(exc, psutil.NoSuchProcess)
+    return info.machine == _MACHINE and liveness.process_gone(info.pid, info.pid_started)
 
 
 class _ObjectStore:
@@ -306,9 +291,9 @@ class RunLease:
 
     def acquire(self) -> RunLease:
         """Take the lease (or raise RunLeaseHeldError naming its holder), then start renewing."""
-        now, proc = time.time(), psutil.Process()
-        host, started = socket.gethostname(), proc.create_time()
-        me = LeaseInfo(uuid.uuid4().hex, host, _MACHINE, proc.pid, started, now, now, self.ttl)
+        now, pid, host = time.time(), os.getpid(), socket.gethostname()
+        started = liveness.process_started(pid)
+        me = LeaseInfo(uuid.uuid4().hex, host, _MACHINE, pid, started, now, now, self.ttl)
         with storage.storage_errors(self.lease_url, "take the run lease", self._options):
             for _ in range(5):
                 seen = self._store.read()

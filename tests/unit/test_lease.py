@@ -13,11 +13,11 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 import splitstage.tasks.stage2.lease as lease_module
 from splitstage.splitter import UserError
+from splitstage.tasks.stage2 import liveness
 from splitstage.tasks.stage2.lease import (
     LEASE_NAME,
     LeaseInfo,
@@ -101,7 +101,7 @@ def test_dead_pid_on_this_host_is_taken_over_at_once(
 def test_live_pid_on_this_host_is_refused_but_a_reused_pid_is_not(tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        started = psutil.Process(child.pid).create_time()
+        started = liveness.process_started(child.pid)
         write_foreign(tmp_path, machine=lease_module._MACHINE, pid=child.pid, pid_started=started)
         with pytest.raises(RunLeaseHeldError, match=f"pid {child.pid}"):
             RunLease(str(tmp_path)).acquire()
@@ -114,6 +114,39 @@ def test_live_pid_on_this_host_is_refused_but_a_reused_pid_is_not(tmp_path: Path
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux /proc only")
+def test_machine_and_process_start_do_not_move_with_the_wall_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the kernel's boot time (hence psutil's create times) moves when NTP steps or slews the
+    # clock; a holder and a checker of one boot must still agree on the machine and the start
+    script = "from splitstage.tasks.stage2 import liveness as l; print(l.machine_id())"
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    machine = child.stdout.strip()
+    here = liveness.machine_id(), liveness.process_started(os.getpid())
+    monkeypatch.setattr(liveness.psutil, "boot_time", lambda: 1.0e9)  # the clock stepped
+    assert (liveness.machine_id(), liveness.process_started(os.getpid())) == here
+    assert machine == here[0]
+    with open("/proc/sys/kernel/random/boot_id") as file:
+        assert file.read().strip() in here[0]
+
+
+def test_a_process_start_is_the_same_seen_from_inside_and_outside() -> None:
+    script = "import os, time; from splitstage.tasks.stage2 import liveness as l"
+    script += "; print(l.process_started(os.getpid()), flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        inside = float(child.stdout.readline())
+        assert liveness.process_started(child.pid) == inside
+        assert not liveness.process_gone(child.pid, inside)
+        assert liveness.process_gone(child.pid, inside - 100)  # another process with that pid
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert liveness.process_gone(child.pid, inside)
 
 
 def test_renewal_keeps_the_lease_fresh(tmp_path: Path) -> None:
