@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from splitstage.tasks.stage2.liveness import kill_tree, process_started, snapshot_tree
+
 DEFAULT_RDZV_ID = "splitstage"
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -155,25 +157,6 @@ class TorchrunError(RuntimeError):
         super().__init__(f"torchrun {what}{where}{detail}{logs}")
 
 
-def _snapshot(root: psutil.Process, known: dict[int, float]) -> None:
-    """Remember every descendant (pid -> create time) so orphans can still be found."""
-    with contextlib.suppress(psutil.Error):
-        for child in root.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                known.setdefault(child.pid, child.create_time())
-
-
-def _processes(known: dict[int, float]) -> list[psutil.Process]:
-    """The remembered processes that still exist as the same process (pids can be reused)."""
-    out = []
-    for pid, created in known.items():
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            if proc.create_time() == created and is_alive(proc):
-                out.append(proc)
-    return out
-
-
 _DIE_WITH_PARENT = (  # prctl(PR_SET_PDEATHSIG, SIGTERM) survives the exec
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
@@ -188,42 +171,6 @@ def dies_with_this_process(command: Sequence[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(command)
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
-
-
-def is_alive(proc: psutil.Process | int) -> bool:
-    """True while a process runs (a zombie awaiting its reaper counts as dead)."""
-    try:
-        proc = proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def kill_tree(
-    root_pid: int | None, known: dict[int, float] | None = None, grace: float = 5.0
-) -> None:
-    """SIGTERM a process, its descendants and the orphans in `known`; SIGKILL what remains."""
-    known = dict(known or {})
-    with contextlib.suppress(psutil.Error):
-        if root_pid is not None:
-            root = psutil.Process(root_pid)
-            known.setdefault(root.pid, root.create_time())
-            _snapshot(root, known)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        procs = _processes(known)
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            for proc in procs:  # new children spawned meanwhile are caught too
-                if is_alive(proc):
-                    with contextlib.suppress(psutil.Error):
-                        for child in proc.children(recursive=True):
-                            known.setdefault(child.pid, child.create_time())
-            if not _processes(known):
-                return
-            time.sleep(0.05)
 
 
 def _rank_dir(log_dir: str, local_rank: int) -> str | None:
@@ -314,8 +261,7 @@ def run_torchrun(
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
     reader.start()
     tail: deque[str] = deque(maxlen=tail_lines)
-    known: dict[int, float] = {}
-    known[proc.pid] = psutil.Process(proc.pid).create_time()
+    known: dict[int, float] = {proc.pid: process_started(proc.pid)}
     timed_out = cancelled = False
     try:
         timed_out, cancelled = _watch(proc, lines, tail, known, on_line, cancel, timeout)
@@ -389,7 +335,7 @@ def _watch(proc, lines, tail, known, on_line, cancel, timeout) -> tuple[bool, bo
         if proc.poll() is None:
             if now >= next_snapshot:
                 with contextlib.suppress(psutil.Error):
-                    _snapshot(psutil.Process(proc.pid), known)
+                    snapshot_tree(psutil.Process(proc.pid), known)
                 next_snapshot = now + 0.5
             continue
         if eof:

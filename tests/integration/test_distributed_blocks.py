@@ -26,12 +26,12 @@ from splitstage.tasks.stage2.checkpoint import (
     save_checkpoint,
 )
 from splitstage.tasks.stage2.distributed import build_mesh
+from splitstage.tasks.stage2.liveness import is_alive
 from splitstage.tasks.stage2.parallelize import parallelize, resolve_tp_plan
 from splitstage.tasks.stage2.torchrun import (
     TorchrunSpec,
     build_command,
     free_port,
-    is_alive,
     run_torchrun,
 )
 from tests.integration.workers.tiny import TP_PLAN, Tiny, add_lora
@@ -154,6 +154,7 @@ SINGLE_PROCESS = """
 import torch
 from splitstage.tasks.stage2.checkpoint import load_checkpoint, save_checkpoint
 from splitstage.tasks.stage2.distributed import build_mesh, close_distributed, init_distributed
+from splitstage.tasks.stage2.liveness import is_alive
 from splitstage.tasks.stage2.parallelize import parallelize
 from tiny import Tiny
 info = init_distributed()

@@ -15,7 +15,7 @@ import pytest
 
 from splitstage.demo import write_demo_weights
 from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.tasks.stage2.torchrun import is_alive
+from splitstage.tasks.stage2.liveness import is_alive
 from tests.integration.test_catalogue_prelaunch import job
 
 pytestmark = pytest.mark.slow
