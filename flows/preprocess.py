@@ -145,7 +145,7 @@ def preprocess_flow(
         f"{config.cache.url} ({plan.cache_key}); {num_shards} shard(s), {fan_out}"
     )
     reports = None  # without shard reports the figures come from the cache index
-    cached = None if new else check_cache(config, plan, data)  # damage found: shards repair it
+    cached = check_cache(config, plan, data)  # None: samples to compute or damage to repair
     workers = 0 if cached else num_shards
     if cached:
         reports = [cached]
@@ -157,5 +157,7 @@ def preprocess_flow(
     report = finish_preprocess(config, plan, data, reports, before, workers, started)
     report.validation_prompts = prompts
     publish_cache_stats(config, report)
+    for warning in report.skipped_lines():
+        logger.warning(warning)
     logger.info(report.line())
     return report.to_dict()

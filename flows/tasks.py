@@ -96,8 +96,8 @@ def snapshot_cache(config: SplitstageConfig, plan: JobPlan) -> CacheSnapshot:
 
 @_io_task("check-cache", timeout_seconds=1800)
 def check_cache(config: SplitstageConfig, plan: JobPlan, data: DataIndex) -> ShardReport | None:
-    """With nothing new to compute: the run's report when the cache is intact (shards modified
-    after their index entry re-read), None when shards must run to repair it."""
+    """The run's report when nothing is to compute (every sample cached intact, shards modified
+    after their index entry re-read, or recorded undecodable); None when shards must run."""
     return all_cached(config, plan, data, prompts=False)  # the flow encodes prompts itself
 
 

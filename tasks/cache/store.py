@@ -8,6 +8,7 @@ Layout under `<url>/<cache_key>/`:
   manifest-samples-<sha>.safetensors  its sample keys, compact
   index-snapshot.safetensors     the index as arrays, written with the manifest (`index_snapshot`)
   quarantine/                    damaged index entries and shards moved aside, with the problem
+  undecodable/<sample_key>.json  rows stage 1 skipped as undecodable (`side_records`)
 
 `shard_id` hashes the shard bytes, so two workers writing the same samples write the same names.
 A sample is visible only once its index entry exists. Reads check size and sha256 before parsing;
@@ -34,6 +35,7 @@ from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.index_snapshot import read_index, write_snapshot
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChecks
+from splitstage.tasks.cache.side_records import SideRecords
 from splitstage.tasks.cache.storage import storage_errors, write_chains
 from splitstage.tasks.cache.write_ahead import PreparedShard, WriteAhead
 from splitstage.tasks.switch_interval import shorter_switch_interval
@@ -58,7 +60,7 @@ class _Seen(dict):
         super().__setitem__(shard_id, seen_digest(data))
 
 
-class CacheStore(CacheChecks, WriteAhead):
+class CacheStore(CacheChecks, WriteAhead, SideRecords):
     """The cache under `<url>/<cache_key>/`: write shards, list committed samples, read, verify."""
 
     shard_file = staticmethod(fmt.shard_file)

@@ -29,9 +29,7 @@ import torch
 from tqdm import tqdm
 
 from splitstage.pipelines.config import SplitstageConfig
-from splitstage.pipelines.data import (
-    DataError,
-)
+from splitstage.pipelines.data import DataError, Row
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
@@ -39,6 +37,7 @@ from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.data_index import DataIndex, index_data_set
 from splitstage.tasks.device import pick_device
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline
 from splitstage.tasks.stage1.report import (
     CacheSnapshot,
@@ -138,9 +137,13 @@ def preprocess_shard(
     keys = data.keys
     mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
     report, cached = repair_cache(store, plan, [keys[i] for i in mine], shard, num_shards, verify)
-    report.skipped, report.assigned = len(data.skipped), len(mine)
+    report.assigned = len(mine)
     todo = [(data.rows[i], keys[i]) for i, done in zip(mine, cached) if not done]  # rows built here
     report.reused = len(mine) - len(todo)
+    if not verify and todo and (bad := undecodable.known(store, [key for _, key in todo])):
+        report.undecodable.update(bad)  # not decoded again (and no model loaded for them)
+        todo = [(row, key) for row, key in todo if key not in bad]
+    report.skipped = len(data.skipped) + len(report.undecodable)
     if todo:
         _compute(config, plan, store, todo, report, progress, on_progress)
     if shard == 0:  # once per run, on a worker (where the encoders belong): not sharded
@@ -158,17 +161,21 @@ def all_cached(
     store: CacheStore | None = None,
 ) -> ShardReport | None:
     """The coordinator's own check before it starts workers: when every sample has an intact
-    cached copy, nothing is damaged and (`prompts`) the validation prompts are encoded, the
+    cached copy (or is recorded undecodable: `undecodable`), nothing is damaged and (`prompts`)
+    the validation prompts are encoded, the
     run's report (no worker to start: on a rerun that costs seconds of imports); else None
     (workers check, repair and compute exactly as without it). `store`: the caller's, if open."""
     store = store or open_cache(config, plan)
     keys = data.keys
+    missing = [key for key, done in zip(keys, store.contains(keys).tolist()) if not done]
+    bad = undecodable.known(store, missing) if missing else {}
+    if len(bad) < len(missing):  # samples to compute: the workers check (once)
+        return None
     check = store.check("changed", keys=keys, params=plan.split.boundary_params, touch=True)
-    if check.damaged or not bool(store.contains(keys).all()):
+    if check.damaged or (prompts and not validation_prompts_written(config, plan)):
         return None
-    if prompts and not validation_prompts_written(config, plan):
-        return None
-    report = ShardReport(0, 1, assigned=len(keys), reused=len(keys), skipped=len(data.skipped))
+    report = ShardReport(0, 1, assigned=len(keys), reused=len(keys) - len(bad), undecodable=bad)
+    report.skipped = len(data.skipped) + len(bad)
     report.bytes_verified = check.bytes_checked
     if prompts and config.validation.enabled:
         report.validation_prompts = prompts_path(config, plan)[2]  # checked above: it is there
@@ -196,8 +203,15 @@ def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
         if on_progress:
             on_progress(done, len(todo))
 
+    rows: dict[str, Row] = {}
+
+    def row_of(key: str) -> Row:  # the first undecodable row builds the map (rarely needed)
+        if not rows:
+            rows.update((k, row) for row, k in todo)
+        return rows[key]
+
     with torch.no_grad(), bar:
-        stage1_pipeline(config, plan, store, ctx, report, finished).run(todo)
+        stage1_pipeline(config, plan, store, ctx, report, finished, row_of).run(todo)
 
 
 def stage1_pipeline(
@@ -207,10 +221,11 @@ def stage1_pipeline(
     ctx: StepContext,
     report: ShardReport,
     on_done: Callable[[int], None] | None = None,
+    row_of: Callable[[str], Row] | None = None,
 ) -> Stage1Pipeline:
     """The overlapped stage-1 pipeline of a job (`pipeline.Stage1Pipeline`): decode on threads,
     V2 in batches of one shape on the caller (under its no_grad), shards written in the
-    background; counts go into `report`."""
+    background; counts go into `report`, undecodable rows (`row_of` names them) beside the cache."""
     family, base, params = plan.family, config.data.base_path, plan.split.boundary_params
 
     def compute(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,9 +233,10 @@ def stage1_pipeline(
         report.computed += len(samples)
         return split_batch(batch, params, len(samples))
 
-    def skip(key: str, _error: DataError) -> None:
+    def skip(key: str, error: DataError) -> None:
         report.skipped += 1
-        report.undecodable.append(key)
+        row = row_of(key) if row_of else None
+        report.undecodable[key] = undecodable.record(store, key, row, error, base)
 
     return Stage1Pipeline(
         load=lambda row: family.load_sample(row, base),

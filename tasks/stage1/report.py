@@ -16,6 +16,7 @@ from splitstage.tasks.cache.shard_format import SampleNotCachedError
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.data_index import DataIndex
 from splitstage.tasks.plan import JobPlan, open_cache
+from splitstage.tasks.stage1 import undecodable
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ShardReport:
     repaired: int = 0
     bytes_verified: int = 0
     quarantined: list[str] = field(default_factory=list)
-    undecodable: list[str] = field(default_factory=list)  # keys skipped at decode (skip_bad_rows)
+    undecodable: dict[str, str] = field(default_factory=dict)  # key -> why (skip_bad_rows)
     validation_prompts: str | None = None  # shard 0 encodes the [validation] prompts: their URL
 
 
@@ -77,6 +78,14 @@ class PreprocessReport:
             line += f", {self.damaged} damaged shard(s) moved to {self.cache_url}/quarantine/"
         return line
 
+    def skipped_lines(self, limit: int = 5) -> list[str]:
+        """Warnings naming the skipped rows and why (the first `limit`; the report has all)."""
+        lines = [f"skipped (data.skip_bad_rows) {why}" for _, why in self.skipped_rows[:limit]]
+        if len(self.skipped_rows) > limit:
+            more = len(self.skipped_rows) - limit
+            lines.append(f"... and {more} more skipped rows (`preprocess --json` lists them all)")
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready report."""
         return asdict(self)
@@ -117,15 +126,19 @@ def summarize_preprocess(
     committed = store.committed_keys()
     # Rows whose image failed to decode were skipped (data.skip_bad_rows): not expected, and the
     # manifest names them so stage 2 does not count them as missing.
-    undecodable = {k for r in reports or () for k in r.undecodable}
-    missing = set(data.keys) - committed - undecodable
+    if reports is None:  # shards ran elsewhere: what they could not decode is in the cache
+        bad = undecodable.known(store, set(data.keys) - committed)
+    else:
+        bad = {k: why for r in reports for k, why in r.undecodable.items() if k not in committed}
+    undecodable.forget(store, committed)
+    missing = set(data.keys) - committed - set(bad)
     if missing:
         raise SampleNotCachedError(
             f"preprocessing finished but {len(missing)} of {len(data.keys)} samples are not in "
             f"the cache {store.url}; rerun it (only the missing samples are computed) and check "
             "the shard runs' logs"
         )
-    keys = set(data.keys) - undecodable
+    keys = set(data.keys) - set(bad)
     if reports is not None:
         result = summarize_shards(plan, store, data, reports, workers)
     else:
@@ -133,14 +146,15 @@ def summarize_preprocess(
         after = store.stats()
         result.reused = len(keys & before.keys)
         result.computed = len(keys - before.keys)
-        result.skipped = len(data.skipped)
+        result.skipped = len(data.skipped) + len(bad)
+        result.skipped_rows = sorted(data.skipped + undecodable.skipped_rows(data, bad))
         result.bytes_written = max(0, after.bytes - before.bytes)
         result.shards_written = max(0, after.shards - before.shards)
     store.write_manifest(
         {
             "plan": plan.summary(),
             "samples": sorted(keys),
-            "undecodable": sorted(undecodable),
+            "undecodable": sorted(bad),
             "report": result.to_dict(),
         }
     )
@@ -154,6 +168,7 @@ def summarize_shards(
     """Sum the workers' shard reports into one run report."""
     reports = list(reports)
     quarantined = sorted({url for r in reports for url in r.quarantined})
+    bad = {key: why for r in reports for key, why in r.undecodable.items()}
     return PreprocessReport(
         cache_key=plan.cache_key,
         cache_url=store.url,
@@ -165,7 +180,7 @@ def summarize_shards(
         bytes_written=sum(r.bytes_written for r in reports),
         shards_written=sum(r.shards_written for r in reports),
         workers=workers,
-        skipped_rows=data.skipped,
+        skipped_rows=sorted(data.skipped + undecodable.skipped_rows(data, bad)),
         damaged=len(quarantined),
         repaired=sum(r.repaired for r in reports),
         bytes_verified=sum(r.bytes_verified for r in reports),

@@ -103,18 +103,27 @@ def test_bad_data_content_prints_one_line(case, assets, tmp_path, capsys):
     check_one_line(*run_cli(["preprocess", str(job(assets, tmp_path, data))], capsys), *needles)
 
 
+def check_skipped_named(code: int, err: str, *needles: str) -> None:
+    """Exit 0, and one warning naming the skipped row and why (and no traceback)."""
+    assert code == 0 and "Traceback" not in err, err
+    warnings = [line for line in err.split("\n") if line.startswith("splitstage: warning: ")]
+    assert len(warnings) == 1, err
+    for needle in ("skipped (data.skip_bad_rows)", *needles):
+        assert needle in warnings[0], f"{needle!r} not in {warnings[0]!r}"
+
+
 def test_skip_bad_rows_skips_a_nested_line(assets, tmp_path, capsys):
     data, lines = copy_data(assets, tmp_path)
     nested_jsonl(data, lines)
     code, err = run_cli(["preprocess", str(job(assets, tmp_path, data, skip=True))], capsys)
-    assert code == 0 and "Traceback" not in err, err
+    check_skipped_named(code, err, "metadata.jsonl row 2", "nested too deeply")
 
 
 def test_skip_bad_rows_skips_a_bomb(assets, tmp_path, capsys):
     data, lines = copy_data(assets, tmp_path)
     bomb(data, lines)
     code, err = run_cli(["preprocess", str(job(assets, tmp_path, data, skip=True))], capsys)
-    assert code == 0 and "Traceback" not in err, err
+    check_skipped_named(code, err, "metadata.csv row 2", "pixels")
 
 
 def test_16bit_png_data_set_preprocesses(assets, tmp_path, capsys):

@@ -1,0 +1,73 @@
+"""Rows skipped as undecodable (`data.skip_bad_rows`): named in the report, not decoded again.
+
+A worker that cannot decode a row's image under `skip_bad_rows` records it beside the cache
+(`undecodable/<sample_key>.json`: the reason and the decoder), so later runs know it without
+decoding it again: the coordinator's all-cached check (a rerun with nothing new starts no worker
+and loads no model), the workers, and the manifest of a run whose shards ran on other machines.
+A sample key hashes the image bytes (a fixed file is a new key), and a record counts only under
+the same decoder (splitstage's decode version and Pillow's): after an upgrade those rows are
+tried again, and `preprocess --verify` tries them all again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import PIL
+
+from splitstage.pipelines.data import DataError, Row
+from splitstage.pipelines.data_source import source_for
+from splitstage.pipelines.images import DECODE_VERSION
+from splitstage.tasks.cache.store import CacheStore
+from splitstage.tasks.data_index import DataIndex
+
+FOLDER = "undecodable"
+IMAGE = "{image}"  # stands for the image's path or URL in a recorded reason
+DECODER = f"{DECODE_VERSION}+pillow-{PIL.__version__}"
+
+
+def record(store: CacheStore, key: str, row: Row | None, error: DataError, base: str) -> str:
+    """Keep that `key`'s image did not decode; the reason, with its row and image path left
+    out (`IMAGE`): the same bytes may sit on another row or path later."""
+    reason = str(error)
+    if row is not None:
+        reason = reason.removeprefix(f"{row.where}: ").replace(_shown(base, row), IMAGE)
+    store.write_record(FOLDER, key, {"reason": reason, "decoder": DECODER})
+    return reason
+
+
+def _shown(base: Any, row: Row) -> str:
+    """The row's image as messages name it (a path on disks, the URL on object stores)."""
+    return source_for(base).display(row.image)
+
+
+def known(store: CacheStore, keys: Collection[str]) -> dict[str, str]:
+    """{key: reason} of the `keys` recorded as undecodable by this decoder (one listing)."""
+    records = {
+        key: str(value.get("reason", "undecodable"))
+        for key, value in store.read_records(FOLDER).items()
+        if value.get("decoder") == DECODER
+    }
+    if not records:
+        return {}
+    return {key: records[key] for key in keys if key in records}
+
+
+def forget(store: CacheStore, committed: Collection[str]) -> None:
+    """Drop the records of samples now cached (a retry under a newer decoder succeeded)."""
+    done = [key for key in store.read_records(FOLDER) if key in committed]
+    store.remove_records(FOLDER, done)
+
+
+def skipped_rows(data: DataIndex, reasons: dict[str, str]) -> list[tuple[int, str]]:
+    """(line, message naming the row and image path now) of each undecodable key, in order."""
+    if not reasons:
+        return []
+    found = [(i, key) for i, key in enumerate(data.keys) if key in reasons]  # rows may be lazy
+    out = []
+    for i, key in found:
+        row = data.rows[i]
+        where = _shown(data.source, row) if data.source is not None else row.image
+        out.append((row.line, f"{row.where}: {reasons[key].replace(IMAGE, where)}"))
+    return out
