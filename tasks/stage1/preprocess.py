@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -162,12 +163,13 @@ def all_cached(
 ) -> ShardReport | None:
     """The coordinator's own check before it starts workers: when every sample has an intact
     cached copy (or is recorded undecodable: `undecodable`), nothing is damaged and (`prompts`)
-    the validation prompts are encoded, the
-    run's report (no worker to start: on a rerun that costs seconds of imports); else None
-    (workers check, repair and compute exactly as without it). `store`: the caller's, if open."""
+    the validation prompts are encoded, the run's report (no worker to start: on a rerun that
+    costs seconds of imports); else None (workers check, repair and compute exactly as without
+    it). `store`: the caller's, if open."""
     store = store or open_cache(config, plan)
     keys = data.keys
-    missing = [key for key, done in zip(keys, store.contains(keys).tolist()) if not done]
+    present = store.contains(keys)  # an array: a million keys in no time
+    missing = [] if present.all() else [keys[i] for i in np.flatnonzero(~present)]
     bad = undecodable.known(store, missing) if missing else {}
     if len(bad) < len(missing):  # samples to compute: the workers check (once)
         return None
