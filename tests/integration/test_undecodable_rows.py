@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -105,6 +106,20 @@ def test_a_newer_decoder_or_verify_tries_the_row_again(assets, tmp_path, monkeyp
     verified = preprocess(config, workers=1, progress=False, verify=True)
     assert verified.skipped == 1 and len(loads) == 3  # --verify tries it although recorded
     assert [r["decoder"] for r in records(config).values()] == [undecodable.DECODER]
+    good = next(p for p in image.parent.iterdir() if p != image)  # a decoder that copes with it
+    bad_row = image.relative_to(config.data.base_path).as_posix()
+
+    def decodes(self, row, base):
+        if row.image == bad_row:
+            row = dataclasses.replace(row, image=good.relative_to(base).as_posix())
+        return real(self, row, base)
+
+    with monkeypatch.context() as m:
+        m.setattr(undecodable, "DECODER", "a Pillow that decodes it")
+        m.setattr(DemoFamily, "load_sample", decodes)
+        now = preprocess(config, workers=1, progress=False)
+    assert (now.computed, now.skipped, now.skipped_rows) == (1, 0, [])
+    assert records(config) == {}  # cached now: its record is gone
 
 
 def test_shards_run_elsewhere_leave_the_rows_for_the_coordinator(assets, tmp_path):
