@@ -168,8 +168,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TorchrunError as error:
         print(f"splitstage: training failed: {error}", file=sys.stderr)
         return 1
-    for warning in report.skipped_lines():
-        print(f"splitstage: warning: {warning}", file=sys.stderr)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.line())
     return 0
 
