@@ -87,4 +87,14 @@ def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = 
     options = with_credentials(
         cache.url, cache.storage_options, cache.credentials_block, field="cache.credentials_block"
     )
-    return CacheStore(cache.url, cache_key or plan.cache_key, options)
+    store = CacheStore(cache.url, cache_key or plan.cache_key, options)
+    store.image_sizes = image_sizes(plan.family)
+    return store
+
+
+def image_sizes(family: Family) -> list[tuple[int, int]] | None:
+    """(height, width) pixels the family's images train at: its buckets, or its square."""
+    if family.buckets is not None:
+        return family.buckets.sizes
+    resolution = family.image_resolution()
+    return [(resolution[0], resolution[0])] if resolution else None

@@ -20,6 +20,7 @@ import numpy as np
 
 import splitstage.tasks.cache.shard_format as fmt
 from splitstage.tasks.cache.errors import CacheCorruptError
+from splitstage.tasks.cache.group_labels import ImageSizes, group_labels
 from splitstage.tasks.cache.index_entry import bad_params
 from splitstage.tasks.cache.key_table import KeyTable, _as_ascii, _encode
 
@@ -39,43 +40,16 @@ def signature(params: Mapping[str, Any]) -> tuple:
     )
 
 
-def _short_label(sig: tuple) -> str:
-    """'param AxBxC' of the largest tensor param (the latents, for images), else 'json'."""
-    tensors = [(int(np.prod(s[2])), s[0], s[2]) for s in sig if len(s) == 3]
-    if not tensors:
-        return "json only"
-    _, name, shape = max(tensors, key=lambda t: (t[0], t[1]))
-    return f"{name} {'x'.join(map(str, shape)) or 'scalar'}"
-
-
-def _group_labels(order: list[tuple]) -> list[str]:
-    """One label per group: the params whose dtype or shape differ between groups (a bucket's
-    latents, e.g. 'input_latents 4x6x10'), so labels are short and distinct."""
-    if len(order) == 1:
-        return [_short_label(order[0])]
-    specs = [{s[0]: s[1:] for s in sig} for sig in order]
-    names = sorted({name for spec in specs for name in spec})
-    varying = [n for n in names if len({spec.get(n) for spec in specs}) > 1]
-    dtypes = {n for n in varying if len({spec.get(n, (None,))[0] for spec in specs}) > 1}
-
-    def part(name: str, spec: tuple | None) -> str:
-        if spec is None:
-            return f"no {name}"
-        if spec == ("json",):
-            return f"{name} json"
-        shape = "x".join(map(str, spec[1])) or "scalar"
-        return f"{name} {spec[0]} {shape}" if name in dtypes else f"{name} {shape}"
-
-    return [", ".join(part(n, spec.get(n)) for n in varying) for spec in specs]
-
-
-def group_table(specs: list[Mapping[str, Any]]) -> tuple[np.ndarray, list[str]]:
+def group_table(
+    specs: list[Mapping[str, Any]], image_sizes: ImageSizes = None
+) -> tuple[np.ndarray, list[str]]:
     """For a spec table: each spec's group number (groups in sorted-signature order, so every
-    process numbers them alike) and a readable, distinct label per group."""
+    process numbers them alike) and a readable, distinct label per group (led by its images'
+    size in pixels when `image_sizes` tell it: `group_labels`)."""
     sigs = [signature(params) for params in specs]
     order = sorted(set(sigs), key=repr)
     number = {sig: i for i, sig in enumerate(order)}
-    labels = _group_labels(order)
+    labels = group_labels(order, image_sizes)
     seen: dict[str, int] = {}
     for i, label in enumerate(labels):
         seen[label] = seen.get(label, 0) + 1
@@ -178,21 +152,22 @@ class CompactIndex:
             )
         return params
 
-    def groups(self) -> tuple[np.ndarray, list[str]]:
-        """Each spec's group number and the groups' labels (see `group_table`); a spec with
-        `same_as` is in the group of the same spec without it."""
+    def groups(self, image_sizes: ImageSizes = None) -> tuple[np.ndarray, list[str]]:
+        """Each spec's group number and the groups' labels (see `group_table`; a store passes
+        the same `image_sizes` every time); a spec with `same_as` is in the group of the same
+        spec without it."""
         if self._groups is None:
             base = np.asarray(self.spec_base, np.int64)
             plain = np.flatnonzero(base == np.arange(len(base)))
-            numbers, labels = group_table([self.specs[i] for i in plain])
+            numbers, labels = group_table([self.specs[i] for i in plain], image_sizes)
             of_plain = np.zeros(len(base), np.int32)
             of_plain[plain] = numbers
             self._groups = of_plain[base], labels
         return self._groups
 
-    def group_counts(self) -> dict[str, int]:
+    def group_counts(self, image_sizes: ImageSizes = None) -> dict[str, int]:
         """Committed samples per group label."""
-        of_spec, labels = self.groups()
+        of_spec, labels = self.groups(image_sizes)
         counts = np.bincount(of_spec[self._owned(self.spec)], minlength=len(labels))
         return {label: int(n) for label, n in zip(labels, counts) if n}
 

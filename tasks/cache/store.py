@@ -31,6 +31,7 @@ import splitstage.tasks.cache.shard_format as fmt
 import splitstage.tasks.cache.storage as st
 from splitstage.tasks.cache.compact_index import CompactIndex, IndexBuilder, release_freed_memory
 from splitstage.tasks.cache.errors import CacheCorruptError, SampleNotCachedError
+from splitstage.tasks.cache.group_labels import ImageSizes
 from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.index_snapshot import read_index, write_snapshot
 from splitstage.tasks.cache.key_table import KeyTable
@@ -81,6 +82,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         self._index: CompactIndex | None = None  # the committed index as arrays, once read
         self._pending: list[fmt.IndexEntry] = []  # entries written since, merged on look-up
         self._seen = _Seen()  # digests of index entry bytes as last read or written, by shard id
+        self.image_sizes: ImageSizes = None  # the job's image sizes: group labels say pixels
 
     def __repr__(self) -> str:
         return f"CacheStore(url={self.url!r}, storage_options={st.redact(self._options)!r})"
@@ -288,7 +290,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         found, _, spec = index.lookup(keys)
         if not found.all():
             raise self._not_committed(keys.select(~found).to_list())
-        of_spec, labels = index.groups()
+        of_spec, labels = index.groups(self.image_sizes)
         return of_spec[spec] if len(of_spec) else np.zeros(len(keys), np.int32), labels
 
     def _not_committed(self, missing: list[str]) -> SampleNotCachedError:
@@ -390,5 +392,5 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
             int(index.shard_bytes.sum()),
             len(dups),
             dups,
-            index.group_counts(),
+            index.group_counts(self.image_sizes),
         )

@@ -232,3 +232,30 @@ def test_group_labels_name_what_differs_between_buckets():
     assert group_table([spec(8, 8)])[1] == ["prompt_emb 16x384"]  # one group: its largest
     _, mixed = group_table([spec(8, 8), spec(8, 8, "bfloat16")])
     assert sorted(mixed) == ["input_latents bfloat16 4x8x8", "input_latents float32 4x8x8"]
+
+
+def test_group_labels_lead_with_the_bucket_in_pixels_when_the_image_sizes_tell_it():
+    from splitstage.tasks.cache.group_labels import group_labels, pixel_sizes
+
+    def sig(h: int, w: int) -> tuple:
+        return (("input_latents", "float32", (4, h, w)), ("prompt_emb", "float32", (16, 384)))
+
+    order = [sig(8, 8), sig(6, 10), sig(10, 6)]
+    buckets = [(48, 80), (64, 64), (80, 48), (32, 128)]  # (height, width) pixels
+    assert pixel_sizes(order, buckets) == [(64, 64), (48, 80), (80, 48)]  # one factor: 8
+    assert group_labels(order, buckets) == [
+        "64x64 (input_latents 4x8x8)",
+        "80x48 (input_latents 4x6x10)",  # WIDTHxHEIGHT, as validation.sizes writes it
+        "48x80 (input_latents 4x10x6)",
+    ]
+    assert group_labels([sig(8, 8)], [(64, 64)]) == ["64x64 (prompt_emb 16x384)"]
+    # no size fits one factor in every group, or none at all: the latent labels alone
+    assert pixel_sizes(order, [(64, 64), (48, 80)]) is None
+    assert group_labels(order, None) == [
+        "input_latents 4x8x8",
+        "input_latents 4x6x10",
+        "input_latents 4x10x6",
+    ]
+    # two params that both fit: which one is the image is unknown, so no pixels
+    both = [(*s, ("mask", "float32", (1, s[0][2][1], s[0][2][2]))) for s in order]
+    assert pixel_sizes(both, buckets) is None
