@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -12,6 +13,7 @@ from splitstage.pipelines.images import DECODE_VERSION
 from splitstage.pipelines.runtime import RunnableUnit, select
 from splitstage.pipelines.storage_options import with_credentials
 from splitstage.splitter import Pipeline, SplitPlan, UnknownModelError, plan_split
+from splitstage.tasks.cache import storage
 from splitstage.tasks.cache.fingerprint import cache_key, file_digest, stable_hash
 from splitstage.tasks.cache.store import CacheStore
 
@@ -88,8 +90,23 @@ def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = 
         cache.url, cache.storage_options, cache.credentials_block, field="cache.credentials_block"
     )
     store = CacheStore(cache.url, cache_key or plan.cache_key, options)
+    if storage.is_local(store.fs) and (file := _file_in_the_way(os.path.dirname(store.root))):
+        raise ConfigError(
+            f"cache.url: {file} is a file, and the cache needs a folder there; point cache.url "
+            "at a folder (created if missing) or a bucket"
+        )
     store.image_sizes = image_sizes(plan.family)
     return store
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """`path` or its nearest existing ancestor, when that is not a folder."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return path if path and not os.path.isdir(path) else None
 
 
 def image_sizes(family: Family) -> list[tuple[int, int]] | None:

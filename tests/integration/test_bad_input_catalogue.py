@@ -82,6 +82,11 @@ def test_config_field_errors(case, assets, tmp_path, capsys):
 REPLACED_CASES = {
     "unsupported cache URL": ('url = "{a}/cache"', 'url = "ftp://host/cache"', ["ftp://"]),
     "s3 URL without bucket": ('url = "{a}/cache"', 'url = "s3://"', ["needs a bucket"]),
+    "cache URL is a file": (
+        'url = "{a}/cache"',
+        'url = "{a}/data/metadata.csv/cache"',
+        ["cache.url", "metadata.csv is a file", "point cache.url at a folder"],
+    ),
     "credentials in the config": (
         'url = "{a}/cache"',
         'url = "s3://b/c"\nstorage_options = {secret = "x"}',
@@ -113,7 +118,9 @@ REPLACED_CASES = {
 @pytest.mark.parametrize("case", sorted(REPLACED_CASES))
 def test_config_value_errors(case, assets, tmp_path, capsys):
     old, new, needles = REPLACED_CASES[case]
-    text = config_text(assets).replace(old.replace("{a}", str(assets)), new)
+    text = config_text(assets).replace(
+        old.replace("{a}", str(assets)), new.replace("{a}", str(assets))
+    )
     path = tmp_path / "job.toml"
     path.write_text(text)
     check_one_line(*run_cli(["validate", str(path)], capsys), *needles)
