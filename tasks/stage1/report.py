@@ -126,11 +126,12 @@ def summarize_preprocess(
     committed = store.committed_keys()
     # Rows whose image failed to decode were skipped (data.skip_bad_rows): not expected, and the
     # manifest names them so stage 2 does not count them as missing.
+    records = store.read_records(undecodable.FOLDER)  # once: for `known` and `forget`
     if reports is None:  # shards ran elsewhere: what they could not decode is in the cache
-        bad = undecodable.known(store, set(data.keys) - committed)
+        bad = undecodable.known(store, set(data.keys) - committed, records)
     else:
         bad = {k: why for r in reports for k, why in r.undecodable.items() if k not in committed}
-    undecodable.forget(store, committed)
+    undecodable.forget(store, committed, records)
     missing = set(data.keys) - committed - set(bad)
     if missing:
         raise SampleNotCachedError(

@@ -42,22 +42,28 @@ def _shown(base: Any, row: Row) -> str:
     return source_for(base).display(row.image)
 
 
-def known(store: CacheStore, keys: Collection[str]) -> dict[str, str]:
-    """{key: reason} of the `keys` recorded as undecodable by this decoder (one listing)."""
-    records = {
+Records = dict[str, dict[str, Any]]  # every record by sample key, as `store.read_records` gives
+
+
+def known(
+    store: CacheStore, keys: Collection[str], records: Records | None = None
+) -> dict[str, str]:
+    """{key: reason} of the `keys` recorded as undecodable by this decoder (`records`, if the
+    caller read them already; else one listing)."""
+    records = store.read_records(FOLDER) if records is None else records
+    mine = {
         key: str(value.get("reason", "undecodable"))
-        for key, value in store.read_records(FOLDER).items()
+        for key, value in records.items()
         if value.get("decoder") == DECODER
     }
-    if not records:
+    if not mine:
         return {}
-    return {key: records[key] for key in keys if key in records}
+    return {key: mine[key] for key in keys if key in mine}
 
 
-def forget(store: CacheStore, committed: Collection[str]) -> None:
-    """Drop the records of samples now cached (a retry under a newer decoder succeeded)."""
-    done = [key for key in store.read_records(FOLDER) if key in committed]
-    store.remove_records(FOLDER, done)
+def forget(store: CacheStore, committed: Collection[str], records: Records) -> None:
+    """Drop the `records` of samples now cached (a retry under a newer decoder succeeded)."""
+    store.remove_records(FOLDER, [key for key in records if key in committed])
 
 
 def skipped_rows(data: DataIndex, reasons: dict[str, str]) -> list[tuple[int, str]]:
