@@ -23,8 +23,6 @@ import argparse
 import hashlib
 import io
 import json
-import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -37,6 +35,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from netns import run_shaped  # noqa: E402
 
 from splitstage.tasks.cache.shard_format import prepare_shard  # noqa: E402
 from splitstage.tasks.cache.storage import write_chains  # noqa: E402
@@ -246,54 +247,10 @@ def measure_s3_link_bound(args) -> dict[str, float] | str:
     """The same figures with moto and the client in a new network namespace whose loopback is
     rate-limited (tc tbf at `--link-rate`): the network, not the 2 shared cores, is the limit,
     as with a real endpoint. A reason string where that cannot be set up (needs root, ip, tc)."""
-    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
-        return "needs root with ip and tc"
-    name = f"splitstage-bench-{os.getpid()}"
-    setup = [
-        ["ip", "netns", "add", name],
-        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
-        [
-            "ip",
-            "netns",
-            "exec",
-            name,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            "lo",
-            "root",
-            "tbf",
-            "rate",
-            args.link_rate,
-            "burst",
-            "512kb",
-            "latency",
-            "100ms",
-        ],
-    ]
-    try:
-        for command in setup:
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                return f"{' '.join(command[-6:])}: {done.stderr.strip() or done.returncode}"
-        child = [
-            sys.executable,
-            __file__,
-            "--s3-json",
-            "--shards",
-            str(args.shards),
-            "--samples-per-shard",
-            str(args.samples_per_shard),
-            "--rounds",
-            str(args.rounds),
-        ]
-        done = subprocess.run(["ip", "netns", "exec", name, *child], capture_output=True, text=True)
-        if done.returncode != 0:
-            return f"the measurement failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    qdisc = ["tbf", "rate", args.link_rate, "burst", "512kb", "latency", "100ms"]
+    child = [__file__, "--s3-json", "--shards", str(args.shards)]
+    child += ["--samples-per-shard", str(args.samples_per_shard), "--rounds", str(args.rounds)]
+    return run_shaped(qdisc, child)
 
 
 def s3_rows(mbps: dict[str, float]) -> list[str]:

@@ -8,7 +8,6 @@ A listing maps each file's path relative to the base (as rows name it, '/'-separ
 
 from __future__ import annotations
 
-import asyncio
 import os
 import posixpath
 import stat as stat_mode
@@ -17,16 +16,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from fsspec.asyn import sync
-
 from splitstage.pipelines import native_stat, urls
 from splitstage.pipelines.images import DataError
+from splitstage.pipelines.object_listing import list_concurrently
 from splitstage.pipelines.storage_options import open_url, with_credentials
 from splitstage.pipelines.urls import redact, scrub
 from splitstage.splitter import UserError
 
 READ_BATCH = 256  # objects read in one batched (concurrent) call on object stores
-LIST_CONCURRENCY = 32  # folder listings in flight on object stores
 MAX_LISTED_FOLDERS = 4096  # more folders than this: one listing of the whole prefix
 _sources: dict[str, DataSource] = {}
 _lock = threading.Lock()
@@ -137,15 +134,17 @@ class DataSource:
     def listing(self, images: Iterable[str] | None = None) -> Listing:
         """One listing of the data set's files. On disks only the folders that `images` (row
         paths) name are scanned (never a whole tree above them); on object stores, the prefix,
-        or the folders `images` name, listed concurrently (`_folders_to_list`)."""
+        or the folders `images` name (`_folders_to_list`), as concurrent chains of pages
+        (`object_listing`: on S3 also cut into key ranges at the names `images` gives)."""
         started = time.time_ns()
         if self.local:
             return Listing(self._list_local(images), started, True)
         try:
             self.fs.invalidate_cache(self.root)
-            folders = _folders_to_list(images) if getattr(self.fs, "async_impl", False) else None
-            if folders:
-                found = self._find_concurrently(folders)
+            if getattr(self.fs, "async_impl", False):
+                names = [] if images is None else list(images)
+                folders = _folders_to_list(names) if images is not None else None
+                found = list_concurrently(self.fs, self.root, folders or [""], names)
             else:
                 found = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
@@ -158,27 +157,6 @@ class DataSource:
             if info.get("type", "file") != "directory":
                 files[name[prefix:]] = (int(info.get("size") or 0), _version(info))
         return Listing(files, started, False)
-
-    def _find_concurrently(self, folders: list[str]) -> dict[str, Any]:
-        """`find` of each folder under the base, LIST_CONCURRENCY at a time (one object store
-        listing is a chain of 1,000-key pages; folders are independent chains)."""
-        fs = self.fs
-        gate = asyncio.Semaphore(LIST_CONCURRENCY)
-
-        async def one(folder: str) -> dict[str, Any]:
-            async with gate:
-                try:
-                    return await fs._find(f"{self.root}/{folder}", detail=True)
-                except FileNotFoundError:
-                    return {}
-
-        async def every() -> list[dict[str, Any]]:
-            return await asyncio.gather(*(one(folder) for folder in folders))
-
-        found: dict[str, Any] = {}
-        for part in sync(fs.loop, every):
-            found.update(part)
-        return found
 
     def _list_local(self, images: Iterable[str] | None) -> dict[str, tuple[int, Any]]:
         """(size, mtime_ns) of every regular file in the folders `images` name (the base when
