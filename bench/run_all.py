@@ -35,10 +35,15 @@ def main(argv=None) -> int:
     table.append(("splitter speed-up vs seed, 10k units (chain)", at_10k["ratio"], ">= 50"))
     cache = run("bench_cache", ["--rounds", "2" if q else "5"])
     table.append(("cache bytes/sample vs torch.save (synthetic)", cache["bytes_ratio"], "<= 0.5"))
+    linked = "link_stage1_write_ratio" in cache  # the goal is judged link-bound when measured
     table.append(
-        ("S3 write: stage-1 writer vs raw puts (CPU-bound)", cache["stage1_write_ratio"], ">= 0.9")
+        (
+            "S3 write: stage-1 writer vs raw puts (CPU-bound)",
+            cache["stage1_write_ratio"],
+            "info" if linked else ">= 0.9",
+        )
     )
-    if "link_stage1_write_ratio" in cache:
+    if linked:
         table.append(
             (
                 "S3 write: stage-1 writer vs raw puts (link-bound)",
@@ -46,6 +51,17 @@ def main(argv=None) -> int:
                 ">= 0.9",
             )
         )
+    listing = run("bench_listing", ["--rounds", "1" if q else "3"])
+    table.append(
+        ("S3 flat listing: key ranges / one chain (moto)", listing["cpu_bound_ratio"], "info")
+    )
+    table.append(
+        (
+            "S3 flat listing: key ranges / one chain, 100 ms/request",
+            listing["latency_bound_ratio"],
+            "< 1",
+        )
+    )
     prep = run("bench_preprocess", ["--samples", "256" if q else "1024"])
     table.append(("cache bytes/sample vs torch.save (demo)", prep["bytes_ratio"], "<= 0.5"))
     table.append(("preprocess speed-up, 2 workers vs 1", prep["speedup"], ">= 1.6"))
