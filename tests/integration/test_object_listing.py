@@ -12,6 +12,7 @@ from splitstage.pipelines.object_listing import list_concurrently
 pytestmark = pytest.mark.slow
 ROOT = "bucket/prefix/data"
 PAGE_KEYS: list[int] = []
+IGNORE_START_AFTER: list[bool] = []
 
 
 @pytest.fixture
@@ -34,6 +35,8 @@ def range_requests(fs, monkeypatch) -> list[dict]:
             calls.append(dict(kwargs))
             if PAGE_KEYS:
                 kwargs["MaxKeys"] = PAGE_KEYS[0]
+            if IGNORE_START_AFTER:
+                kwargs.pop("StartAfter", None)
         return await real(method, *args, **kwargs)
 
     monkeypatch.setattr(fs, "_call_s3", spy)
@@ -105,6 +108,25 @@ def test_a_range_ending_on_its_bound_needs_no_page_more(fs, range_requests):
         PAGE_KEYS.clear()
     assert len(got) == 12
     assert len(range_requests) == 4  # one page per range, not a second one to see the end
+
+
+def test_a_store_ignoring_start_after_is_listed_as_one_chain(fs, range_requests, caplog):
+    names = [f"{i:02d}.png" for i in range(12)]
+    fs.pipe({f"{ROOT}/{name}": b"x" for name in names})
+    IGNORE_START_AFTER.append(True)  # the server sees no StartAfter: every range from the start
+    try:
+        got = list_concurrently(fs, ROOT, [""], names)
+    finally:
+        IGNORE_START_AFTER.clear()
+    assert sorted(got) == [f"{ROOT}/{name}" for name in names]
+    assert "key ranges failed (UnorderedListing" in caplog.text
+    assert "listing it as one chain instead" in caplog.text
+
+
+def test_directory_buckets_and_version_listings_are_not_cut(fs):
+    assert object_listing._ranges_work(fs, "bucket/data")
+    assert not object_listing._ranges_work(fs, "data--use1-az4--x-s3/images")
+    assert not object_listing._ranges_work(object(), "bucket/data")  # not s3fs
 
 
 def test_range_bounds_split_the_names_evenly(monkeypatch):
