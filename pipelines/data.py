@@ -31,6 +31,7 @@ from PIL import Image
 
 from splitstage.pipelines import metadata_files
 from splitstage.pipelines.data_source import DataSource, Listing, relative_key, source_for
+from splitstage.pipelines.image_paths import check_image_path, missing_image
 from splitstage.pipelines.images import (
     DataError,
     center_crop_resize,
@@ -99,6 +100,11 @@ def find_metadata(base_path: str | Path | DataSource) -> str:
                 f"{source.display(name)} is a folder, not a file; move it away or rename it"
             )
     found = [name for name, kind in kinds.items() if kind == "file"]
+    if not found and (bucket := source.missing_bucket()):
+        raise DataError(
+            f"data.base_path {source.url}: bucket '{bucket}' does not exist; create it or fix "
+            "the bucket name"
+        )
     if not found:
         raise DataError(
             f"no metadata.csv or metadata.jsonl (or metadata.parquet) in {base}; add one with "
@@ -120,7 +126,9 @@ def locate_metadata(
         shown = meta.display(rel)
         raise DataError(f"metadata file {shown} is a folder; give the .csv or .jsonl file in it")
     if kind == "missing":
-        raise DataError(f"metadata file {meta.display(rel)} does not exist")
+        bucket = meta.missing_bucket()
+        why = f"its bucket '{bucket}' does not exist" if bucket else "it does not exist"
+        raise DataError(f"metadata file {meta.display(rel)}: {why}; fix data.metadata_path")
     return meta, rel
 
 
@@ -165,25 +173,6 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: s
     return Row(line=line, image=image, prompt=prompt, extras=extras, source=name)
 
 
-def _missing_image(row: Row, source: DataSource, listing: Listing) -> None:
-    """DataError for a row whose image the listing lacks (on disks, the path is checked once
-    more: it may be spelled in a way the listing does not resolve, or be unusable)."""
-    where = row.where
-    if not source.local:
-        raise DataError(
-            f"{where}: image file {source.display(row.image)} not found; fix the path or remove row"
-        )
-    path = Path(source.local_root) / row.image
-    try:
-        st = path.stat() if path.is_file() else None
-    except (OSError, ValueError) as exc:  # e.g. a name too long for the file system
-        reason = getattr(exc, "strerror", None) or exc
-        raise DataError(f"{where}: image path {str(path)[:200]!r} is unusable: {reason}") from exc
-    if st is None:
-        raise DataError(f"{where}: image file {path} not found; fix the path or remove row")
-    listing.files[relative_key(row.image)] = (st.st_size, st.st_mtime_ns)
-
-
 def scan_data_set(
     base_path: str | Path | DataSource,
     metadata_path: str | Path | None = None,
@@ -218,17 +207,22 @@ def scan_records(
     in (once); bad rows raise or, with `skip_bad_rows`, are skipped with their reason."""
     base = source.display("").rstrip("/") if not source.local else source.local_root
     rows: list[Row] = []
+    rels: list[str] = []
     skipped: list[Skipped] = []
     first_error: DataError | None = None
     for line, record in records:
         try:
-            rows.append(_to_row(line, record, base, name))
+            row = _to_row(line, record, base, name)
+            rel = relative_key(row.image)
+            check_image_path(row, rel, source.local, base)
         except DataError as exc:
             if not skip_bad_rows:
                 first_error = exc
                 break
             skipped.append(Skipped(line, str(exc)))
-    rels = [relative_key(r.image) for r in rows]
+            continue
+        rows.append(row)
+        rels.append(rel)
     listing = source.listing(set(rels))
     good: list[Row] = []
     good_rels: list[str] = []
@@ -237,7 +231,7 @@ def scan_records(
     for row, rel in zip(rows, rels, strict=True):
         try:
             if rel not in files:
-                _missing_image(row, source, listing)
+                missing_image(row, source, listing)
         except DataError as exc:
             if not skip_bad_rows:
                 raise

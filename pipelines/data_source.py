@@ -249,6 +249,18 @@ class DataSource:
             raise self.failure("read", self.display(rel), exc) from None
         return "folder" if info.get("type") == "directory" else "file"
 
+    def missing_bucket(self) -> str | None:
+        """The base's bucket when the store says it does not exist, else None (also when that
+        cannot be found out: the caller's own message then stands)."""
+        bucket = None if self.local else urls.bucket_of(self.url)
+        if not bucket:
+            return None
+        try:
+            self.fs.invalidate_cache(bucket)
+            return None if self.fs.exists(bucket) else bucket
+        except Exception:
+            return None
+
     def stat(self, rel: str) -> tuple[int, Any] | None:
         """(size, version) of one file now (mtime_ns on disks, ETag on object stores); None
         when it cannot be found out (callers then trust nothing recorded about it)."""

@@ -50,6 +50,7 @@ _RULE_MODULES = (  # the code whose behaviour the memo's contents depend on
     "splitstage.pipelines.data",
     "splitstage.pipelines.metadata_files",
     "splitstage.pipelines.data_source",
+    "splitstage.pipelines.image_paths",
     "splitstage.pipelines.images",
     "splitstage.tasks.data_index",
     __name__,
