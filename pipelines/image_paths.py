@@ -14,14 +14,17 @@ if TYPE_CHECKING:
 
 
 def check_image_path(row: Row, rel: str, local: bool, base: str) -> None:
-    """DataError for an image path that cannot name a file of the data set: a URL, or on an
-    object store a path that is absolute or climbs out of the base with '..' (no such key)."""
+    """DataError for an image path that cannot name a file of the data set: a URL, a folder
+    ('.../'), or on an object store a path that is absolute or climbs out of the base with '..'
+    (no such key)."""
     image = row.image
     if "://" in image:
         raise DataError(
             f"{row.where}: image {image[:200]!r} is a URL; give the path relative to "
             f"data.base_path ({base})"
         )
+    if image.endswith("/"):  # on a store, a folder marker object: listed, but no image
+        raise DataError(f"{row.where}: image path {image[:200]!r} names a folder, not a file")
     if local:
         return
     if rel.startswith("/"):

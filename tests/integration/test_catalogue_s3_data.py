@@ -81,6 +81,7 @@ PATH_CASES = {
     "absolute": ("/home/me/data/images/00000.png", ["is absolute", "relative to data.base_path"]),
     "climbs out": ("../other/00000.png", ["climbs out of data.base_path", "'..'"]),
     "a URL": ("s3://bucket/prefix/data/images/00000.png", ["is a URL", "relative to"]),
+    "a folder marker": ("images/", ["names a folder, not a file"]),
 }
 
 
