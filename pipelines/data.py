@@ -214,7 +214,7 @@ def scan_records(
         try:
             row = _to_row(line, record, base, name)
             rel = relative_key(row.image)
-            check_image_path(row, rel, source.local, base)
+            check_image_path(row.where, row.image, rel, source.local, base)
         except DataError as exc:
             if not skip_bad_rows:
                 first_error = exc
@@ -231,7 +231,7 @@ def scan_records(
     for row, rel in zip(rows, rels, strict=True):
         try:
             if rel not in files:
-                missing_image(row, source, listing)
+                missing_image(row.where, row.image, source, listing)
         except DataError as exc:
             if not skip_bad_rows:
                 raise
