@@ -73,6 +73,15 @@ def test_key_ranges_list_exactly_what_one_find_lists(fs, range_requests):
     assert {c["Prefix"] for c in range_requests} == {"prefix/data/img/"}
 
 
+def test_a_bucket_as_the_base_is_cut_into_ranges_too(fs, range_requests):
+    names = [f"{i:02d}.png" for i in range(12)]
+    fs.pipe({f"bucket/{name}": b"x" for name in [*names, "zz/late.png"]})
+    got = list_concurrently(fs, "bucket", [""], names)
+    assert files_of(got) == files_of(fs.find("bucket", detail=True))
+    assert len(got) == 13 and {c["Prefix"] for c in range_requests} == {""}
+    assert sum("StartAfter" in c for c in range_requests) == 3
+
+
 def test_ranges_and_plain_folders_mix_and_missing_folders_list_empty(fs, range_requests):
     big = [f"big/{i:02d}.png" for i in range(12)]
     small = ["small/a.png", "small/b.png"]
