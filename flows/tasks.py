@@ -18,10 +18,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
+from splitstage.flows.artifacts import Progress, artifact_key
 from splitstage.pipelines.config import SplitstageConfig
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.storage import StorageUnreachableError
-from splitstage.tasks.data_index import DataIndex, index_data_set
+from splitstage.tasks.data_index import DataIndex, Shown, index_data_set
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import (
     CacheSnapshot,
@@ -84,8 +85,18 @@ def plan_job(config: SplitstageConfig) -> JobPlan:
 
 @_io_task("index-data-set", timeout_seconds=1800)
 def index_data(config: SplitstageConfig) -> DataIndex:
-    """Read the metadata and content-hash every sample (the sample keys)."""
-    return index_data_set(config)
+    """Read the metadata and content-hash every sample (the sample keys); images that must be
+    read and hashed show as a progress artifact (none when the memos know every one)."""
+    progress: Progress | None = None
+
+    def report(done: int, total: int) -> None:
+        nonlocal progress
+        if progress is None:
+            key = artifact_key(config, "index-progress")
+            progress = Progress(key, f"Hashing {total} images of the data set", log_as="hashed")
+        progress.set(done, total, force=done >= total)
+
+    return index_data_set(config, shown=Shown(bar=False, report=report))
 
 
 @_io_task("read-cache-index", timeout_seconds=600)

@@ -6,11 +6,14 @@ files the hash memo (`tasks.hash_memo`) does not know at their current size and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+from tqdm import tqdm
 
 from splitstage.pipelines import metadata_files
 from splitstage.pipelines.config import SplitstageConfig
@@ -38,6 +41,7 @@ from splitstage.tasks.hash_memo import (
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 1024  # rows whose images are read in one batch
+PROGRESS_MIN = READ_CHUNK  # images to hash from which a terminal shows a bar
 
 
 @dataclass
@@ -56,10 +60,15 @@ class DataIndex:
 
 
 def _read_digests(
-    source: DataSource, todo: list[tuple[Row, str]], sizes: dict[str, tuple], skip: bool
+    source: DataSource,
+    todo: list[tuple[Row, str]],
+    sizes: dict[str, tuple],
+    skip: bool,
+    shown: Shown | None = None,
 ) -> tuple[dict[str, bytes], list[tuple[int, str]], bool]:
     """sha256 digests of the images of `todo` (row, listing key), read in batches; the flag
-    says an image read failed (skipped: such a build is not kept as the index memo)."""
+    says an image read failed (skipped: such a build is not kept as the index memo). `shown`
+    gets the progress."""
     digests: dict[str, bytes] = {}
     bad: list[tuple[int, str]] = []
     failed = False
@@ -72,30 +81,68 @@ def _read_digests(
             if not skip:
                 raise
             bad.append((row.line, str(exc)))
-    for start in range(0, len(ok), READ_CHUNK):
-        chunk = ok[start : start + READ_CHUNK]
-        if source.local:
-            results = []
-            for row, _ in chunk:
-                try:
-                    results.append(read_image_bytes(row, source))
-                except DataError as exc:
-                    results.append(exc)
-        else:
-            results = source.read_many([rel for _, rel in chunk])
-        for (row, rel), got in zip(chunk, results, strict=True):
-            try:
-                if isinstance(got, BaseException):
-                    failed = True
-                    raise _read_error(row, source, rel, got)
-                check_file_size(row.where, source.display(rel), len(got))
-            except DataError as exc:
-                if not skip:
-                    raise
-                bad.append((row.line, str(exc)))
-                continue
-            digests[rel] = hashlib.sha256(got).digest()
+    with _bar(len(ok), shown) as advance:
+        for start in range(0, len(ok), READ_CHUNK):
+            chunk = ok[start : start + READ_CHUNK]
+            failed |= _digest_chunk(source, chunk, skip, digests, bad)
+            advance(len(chunk))
     return digests, bad, failed
+
+
+def _digest_chunk(source: DataSource, chunk: list, skip: bool, digests: dict, bad: list) -> bool:
+    """Read and hash one chunk of (row, listing key) into `digests` (bad rows into `bad` under
+    `skip`); True when a read failed."""
+    failed = False
+    if source.local:
+        results: list = []
+        for row, _ in chunk:
+            try:
+                results.append(read_image_bytes(row, source))
+            except DataError as exc:
+                results.append(exc)
+    else:
+        results = source.read_many([rel for _, rel in chunk])
+    for (row, rel), got in zip(chunk, results, strict=True):
+        try:
+            if isinstance(got, BaseException):
+                failed = True
+                raise _read_error(row, source, rel, got)
+            check_file_size(row.where, source.display(rel), len(got))
+        except DataError as exc:
+            if not skip:
+                raise
+            bad.append((row.line, str(exc)))
+            continue
+        digests[rel] = hashlib.sha256(got).digest()
+    return failed
+
+
+@dataclass
+class Shown:
+    """How an index build shows its hashing: a bar from PROGRESS_MIN images (`bar` None: on a
+    terminal only, True: always, False: never), and `report(done, total)` after each chunk."""
+
+    bar: bool | None = None
+    report: Callable[[int, int], None] | None = None
+
+
+@contextlib.contextmanager
+def _bar(total: int, shown: Shown | None) -> Iterator[Callable[[int], None]]:
+    """`advance(count)` for hashing `total` images, as `shown` says."""
+    shown = shown or Shown()
+    quiet = total < PROGRESS_MIN or shown.bar is False
+    done = 0
+    disable = True if quiet else (None if shown.bar is None else False)  # None: on a terminal
+    with tqdm(total=total, desc="hash images", unit="image", disable=disable) as bar:
+
+        def advance(count: int) -> None:
+            nonlocal done
+            done += count
+            bar.update(count)
+            if shown.report is not None:
+                shown.report(done, total)
+
+        yield advance
 
 
 def _read_error(row: Row, source: DataSource, rel: str, exc: BaseException) -> DataError:
@@ -106,16 +153,19 @@ def _read_error(row: Row, source: DataSource, rel: str, exc: BaseException) -> D
     return source.failure(f"read image file ({row.where})", source.display(rel), exc)
 
 
-def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIndex:
+def index_data_set(
+    config: SplitstageConfig, *, use_memo: bool = True, shown: Shown | None = None
+) -> DataIndex:
     """Read the metadata, list the data set once, and key every sample by content (hashing only
-    the images the memo does not know); bad rows raise or are counted. A rerun with nothing
-    changed takes everything from the index memo (`tasks.index_memo`) after one stat per file;
-    rows appended to a csv / jsonl file are all it parses then (`_grown`)."""
+    the images the memo does not know, with progress as `shown` says); bad rows raise or are
+    counted. A rerun with nothing changed takes everything from the index memo
+    (`tasks.index_memo`) after one stat per file; rows appended to a csv / jsonl file are all it
+    parses then (`_grown`)."""
     data = config.data
     source = open_data_source(data)
     memo_at = memo_location(config.cache, source) if use_memo else None
     if memo_at is not None:
-        reused = _reuse(memo_at, source, data)
+        reused = _reuse(memo_at, source, data, shown)
         if reused is not None:
             return reused
     scan = scan_data_set(source, data.metadata_path, skip_bad_rows=data.skip_bad_rows)
@@ -123,7 +173,8 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
     rels = scan.rels[: len(rows)]
     memo = load_memo(*memo_at, source) if memo_at is not None else HashMemo()
     index = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
-    keyed = _key_rows(index, rows, rels, scan.listing, memo, source, data.skip_bad_rows, set())
+    skip = data.skip_bad_rows
+    keyed = _key_rows(index, rows, rels, scan.listing, memo, source, skip, set(), shown)
     if not index.rows:
         raise DataError(
             f"data set {data.base_path}: no usable rows ({len(index.skipped)} skipped); "
@@ -143,7 +194,7 @@ def index_data_set(config: SplitstageConfig, *, use_memo: bool = True) -> DataIn
     return index
 
 
-def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str]):
+def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str], shown=None):
     """Key `rows` (digests from the memo, else read) into `index`: kept rows and keys, skipped
     unreadable ones, duplicates of `seen` or of each other; (fresh, found digests, failed)."""
     files = listing.files
@@ -161,7 +212,7 @@ def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str]):
         else:
             found[rel] = digest
     hits = len(found)
-    fresh, bad, failed = _read_digests(source, todo, files, skip)
+    fresh, bad, failed = _read_digests(source, todo, files, skip, shown)
     found.update(fresh)
     index.source, index.hashed, index.memo_hits = source, len(fresh), hits
     index.skipped += bad
@@ -180,7 +231,7 @@ def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str]):
     return fresh, found, failed
 
 
-def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
+def _reuse(memo_at: tuple, source: DataSource, data, shown: Shown | None) -> DataIndex | None:
     """The data index from a still-valid index memo (or one rows were appended to), else None
     (the full build runs)."""
     fs, path, url = memo_at
@@ -198,7 +249,7 @@ def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
         return None
     try:
         if got[0].get("metadata_stat") != json.dumps(list(stat)):
-            return _grown(memo_at, source, data, got, (meta_source, rel, stat))
+            return _grown(memo_at, source, data, got, (meta_source, rel, stat), shown)
         with index_memo.MemoCheck(*got, source) as check:  # stats run while rows restore
             result = index_memo.restore(*got)
             if not check.valid():
@@ -212,7 +263,7 @@ def _reuse(memo_at: tuple, source: DataSource, data) -> DataIndex | None:
     return index
 
 
-def _grown(memo_at, source, data, got, metadata) -> DataIndex | None:
+def _grown(memo_at, source, data, got, metadata, shown: Shown | None) -> DataIndex | None:
     """Rows appended to the metadata file since the memo, with every file the memo depended on
     unchanged: parse, check and key only the new lines; None when that does not hold (or the
     new part has a file-level error: the full build then names it as in the whole file)."""
@@ -227,16 +278,17 @@ def _grown(memo_at, source, data, got, metadata) -> DataIndex | None:
     if not index_memo.still_valid(*got, source):
         return None
     old = index_memo.restore(*got)
-    shown = meta_source.display(rel)
+    where = meta_source.display(rel)
     try:
-        records = metadata_files.records(part[0], name, shown, MAX_LINE_CHARS, part[1])
+        records = metadata_files.records(part[0], name, where, MAX_LINE_CHARS, part[1])
         scan = scan_records(source, records, name, data.skip_bad_rows)  # lists the new folders
     except DataError:
         return None
     memo = load_memo(*memo_at, source)
     new = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
+    skip, seen = data.skip_bad_rows, set(old.keys)
     fresh, found, failed = _key_rows(
-        new, scan.rows, scan.rels, scan.listing, memo, source, data.skip_bad_rows, set(old.keys)
+        new, scan.rows, scan.rels, scan.listing, memo, source, skip, seen, shown
     )
     rows = old.rows.plus(new.rows)
     if rows is None or failed:

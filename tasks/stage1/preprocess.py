@@ -35,7 +35,7 @@ from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.data_index import DataIndex, index_data_set
+from splitstage.tasks.data_index import DataIndex, Shown, index_data_set
 from splitstage.tasks.device import pick_device
 from splitstage.tasks.plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage1 import undecodable
@@ -133,7 +133,7 @@ def preprocess_shard(
         )
     started = time.perf_counter()
     plan = plan or make_plan(config)
-    data = data or index_data_set(config)
+    data = data or index_data_set(config, shown=Shown(bar=None if progress else False))
     store = open_cache(config, plan)
     keys = data.keys
     mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
@@ -301,7 +301,7 @@ def preprocess(
     default only shards modified after their index entry are)."""
     started = time.perf_counter()
     plan = make_plan(config)
-    data = index_data_set(config)
+    data = index_data_set(config, shown=Shown(bar=None if progress else False))
     store = open_cache(config, plan)
     before = snapshot(store)
     workers = workers or config.preprocess.workers

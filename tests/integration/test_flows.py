@@ -24,6 +24,7 @@ CANARY_SECRET = "canary-secret-must-never-be-shown-7f3a"
 PLAN_ARTIFACTS = ("split-plan", "offload-plan")
 RUN_ARTIFACTS = (
     "cache-stats",
+    "index-progress",  # both runs hash images: 12, then the 3 new ones
     "preprocess-progress",
     "train-progress",
     "loss-curve",
@@ -203,6 +204,7 @@ def test_incremental_rerun_writes_new_version_and_artifacts(prefect_harness, tin
     assert {r["metric"]: r["value"] for r in stats}["new (computed now)"] == 3
     assert artifacts[f"{job}-train-progress"][-1].data == 100.0
     assert artifacts[f"{job}-preprocess-progress"][-1].data == 100.0
+    assert artifacts[f"{job}-index-progress"][-1].data == 100.0
     assert "data:image/png;base64," in artifacts[f"{job}-loss-curve"][-1].data
     assert second["weights"]["dit"] in artifacts[f"{job}-summary"][-1].data
 
