@@ -99,13 +99,12 @@ def python_stat_rerun(config) -> tuple[float, object]:
         native_stat.library.cache_clear()
 
 
-def listing_alone(config) -> tuple[float, None]:
-    """The one listing a rerun makes (the folders the rows name), and nothing else: the floor
-    under a rerun, which must see every file's size and version."""
+def listing_alone(config, index) -> tuple[float, None]:
+    """The one listing a rerun makes (the folders the rows of `index` name), and nothing else:
+    the floor under a rerun, which must see every file's size and version."""
     from splitstage.pipelines.data_source import open_data_source, relative_key
-    from splitstage.tasks.data_index import index_data_set
 
-    rels = [relative_key(row.image) for row in index_data_set(config).rows]
+    rels = [relative_key(row.image) for row in index.rows]
     source = open_data_source(config.data)
     start = time.perf_counter()
     source.listing(rels)
@@ -119,7 +118,7 @@ def run_case(label: str, config, change, local: bool) -> list[tuple[str, float, 
     if local:
         extra = [(f"{label} rerun, Python os.stat", *python_stat_rerun(config))]
     else:
-        extra = [(f"{label} its listing alone", *listing_alone(config))]
+        extra = [(f"{label} its listing alone", *listing_alone(config, rerun[1]))]
     change()
     time.sleep(2.1)
     changed = timed(config)

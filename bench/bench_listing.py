@@ -108,9 +108,7 @@ def measure(objects: int, rounds: int, latency: float = 0.0) -> dict[str, float]
         server.wait(timeout=30)
 
 
-def rows(title: str, got: dict[str, float] | str) -> list[str]:
-    if isinstance(got, str):
-        return [f"{title}: not measured: {got}"]
+def rows(title: str, got: dict[str, float]) -> list[str]:
     chain, ranges = got["one chain"], got["key ranges"]
     return [
         f"{title}: one chain {chain:.2f} s, key ranges {ranges:.2f} s, "
