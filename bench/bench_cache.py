@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netns import run_shaped  # noqa: E402
 
+from splitstage.storage.files import write_chains  # noqa: E402
 from splitstage.tasks.cache.shard_format import prepare_shard  # noqa: E402
-from splitstage.tasks.cache.storage import write_chains  # noqa: E402
 from splitstage.tasks.cache.store import CacheStore, encode_shard  # noqa: E402
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline  # noqa: E402
 

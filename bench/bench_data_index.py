@@ -79,7 +79,7 @@ def change_local(root: Path, rows: int) -> None:
 
 
 def timed(config) -> tuple[float, object]:
-    from splitstage.tasks.data_index import index_data_set
+    from splitstage.data.index import index_data_set
 
     start = time.perf_counter()
     index = index_data_set(config)
@@ -88,7 +88,7 @@ def timed(config) -> tuple[float, object]:
 
 def python_stat_rerun(config) -> tuple[float, object]:
     """A rerun whose file check uses Python's os.stat (no native helper), for comparison."""
-    from splitstage.pipelines import native_stat
+    from splitstage.data import native_stat
 
     os.environ["SPLITSTAGE_NATIVE_STAT"] = "0"
     native_stat.library.cache_clear()
@@ -102,7 +102,7 @@ def python_stat_rerun(config) -> tuple[float, object]:
 def listing_alone(config, index) -> tuple[float, None]:
     """The one listing a rerun makes (the folders the rows of `index` name), and nothing else:
     the floor under a rerun, which must see every file's size and version."""
-    from splitstage.pipelines.data_source import open_data_source, relative_key
+    from splitstage.data.source import open_data_source, relative_key
 
     rels = [relative_key(row.image) for row in index.rows]
     source = open_data_source(config.data)
@@ -128,7 +128,7 @@ def run_case(label: str, config, change, local: bool) -> list[tuple[str, float, 
 
 
 def local_case(rows: int, work: Path):
-    from splitstage.pipelines.config import config_from_dict
+    from splitstage.config.job import config_from_dict
 
     data = work / "local-data"
     start = time.perf_counter()
@@ -168,7 +168,7 @@ def serve_seeded(port: int, rows: int) -> None:
 def s3_case(rows: int, work: Path):
     import s3fs
 
-    from splitstage.pipelines.config import config_from_dict
+    from splitstage.config.job import config_from_dict
 
     port = free_port()
     start = time.perf_counter()

@@ -8,7 +8,7 @@ Trains configs/demo.toml's DiT twice from the same seed, 1 process each (OMP_NUM
 Every `--every` updates (and at the end) each run samples the demo's 10 prompts "a handwritten
 digit zero".."nine" x 4 images. A LogisticRegression trained on 80% of sklearn's 8x8 digits labels
 every 64x64 tile: grayscale, 8x8 average pool, x 16/255, then the inverse of the linear blur that
-pipelines/digits.py digit_image's bicubic upscaling leaves in the pooled values (white ink on
+splitstage/data/digits.py digit_image's bicubic upscaling leaves in the pooled values (white ink on
 black, 0..16 like the original: no inversion). Checked by round-tripping the held-out real digits
 through digit_image, grid_png and the same tile parser. Figures: the share of samples labelled as
 prompted per grid; split - unsplit at equal updates against the binomial SE (n = 40 per grid);
@@ -41,16 +41,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from splitstage.config.job import load_config  # noqa: E402
+from splitstage.data.digits import DIGIT_WORDS, digit_image  # noqa: E402
 from splitstage.demo import prepare_inputs  # noqa: E402
-from splitstage.pipelines.config import load_config  # noqa: E402
-from splitstage.pipelines.digits import DIGIT_WORDS, digit_image  # noqa: E402
-from splitstage.pipelines.sampling import grid_png  # noqa: E402
+from splitstage.pipelines.sampling_common import grid_png  # noqa: E402
 from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
 from splitstage.tasks.stage2.launch import train  # noqa: E402
 
 WORK = Path("runs/bench/demo_quality")
 ENV = {"OMP_NUM_THREADS": "1", "SPLITSTAGE_DEVICE": "cpu"}
-BAND = 14  # pipelines/sampling.py grid_png: the white label band above each row
+BAND = 14  # pipelines/sampling_common.py grid_png: the white label band above each row
 THRESHOLDS = (0.5, 0.8)
 
 

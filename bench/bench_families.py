@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from splitstage.pipelines.config import config_from_dict  # noqa: E402
-from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
-from splitstage.pipelines.registry import config_class  # noqa: E402
+from splitstage.config.families import config_class  # noqa: E402
+from splitstage.config.job import config_from_dict  # noqa: E402
+from splitstage.data.digits import write_digits_dataset  # noqa: E402
+from splitstage.data.index import index_data_set  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
-from splitstage.tasks.data_index import index_data_set  # noqa: E402
-from splitstage.tasks.plan import make_plan  # noqa: E402
+from splitstage.tasks.job_plan import make_plan  # noqa: E402
 from splitstage.tasks.stage2.models import add_lora  # noqa: E402
 from splitstage.tiny_diffusers import SD_SCHEDULE, clip_tokenizer, t5_tokenizer  # noqa: E402
 

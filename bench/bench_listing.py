@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cache import _free_port  # noqa: E402
 
-from splitstage.pipelines.object_listing import RANGE_KEYS, list_concurrently  # noqa: E402
+from splitstage.storage.object_listing import RANGE_KEYS, list_concurrently  # noqa: E402
 
 ROOT = "bench/flat"
 

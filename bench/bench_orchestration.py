@@ -38,8 +38,8 @@ def with_storage(config, folder: Path):
 
 def run_plain(config) -> dict[str, float]:
     """The pipeline as plain function calls, with the same shard threads as the flow."""
-    from splitstage.tasks.data_index import index_data_set
-    from splitstage.tasks.plan import make_plan, open_cache
+    from splitstage.data.index import index_data_set
+    from splitstage.tasks.job_plan import make_plan, open_cache
     from splitstage.tasks.stage1.preprocess import (
         CacheSnapshot,
         preprocess_shard,
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.chdir(ROOT)
+    from splitstage.config.job import load_config
     from splitstage.demo import prepare_inputs
-    from splitstage.pipelines.config import load_config
 
     config = load_config(args.config)
     if args.limit:

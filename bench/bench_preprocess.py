@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from splitstage.config.job import config_from_dict  # noqa: E402
+from splitstage.data.digits import write_digits_dataset  # noqa: E402
+from splitstage.data.index import index_data_set  # noqa: E402
 from splitstage.demo import write_demo_weights  # noqa: E402
-from splitstage.pipelines.config import config_from_dict  # noqa: E402
-from splitstage.pipelines.digits import write_digits_dataset  # noqa: E402
 from splitstage.pipelines.runtime import (  # noqa: E402
     StepContext,
     collate_samples,
@@ -42,8 +43,7 @@ from splitstage.pipelines.runtime import (  # noqa: E402
     split_batch,
 )
 from splitstage.tasks.cache.store import CacheStore  # noqa: E402
-from splitstage.tasks.data_index import index_data_set  # noqa: E402
-from splitstage.tasks.plan import make_plan, open_cache  # noqa: E402
+from splitstage.tasks.job_plan import make_plan, open_cache  # noqa: E402
 from splitstage.tasks.stage1.preprocess import (  # noqa: E402
     ShardReport,
     preprocess,

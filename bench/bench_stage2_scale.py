@@ -200,7 +200,7 @@ def measure_check(root: str, snapshot: bool = True) -> dict:
 def first_batch(root: str, samples_file: str | None) -> dict:
     """Wall time from process start to the first batch of CachedBatches.iterate(0)."""
     import splitstage.tasks.stage2.worker  # noqa: F401  (what a rank imports)
-    from splitstage.pipelines.config import config_from_dict
+    from splitstage.config.job import config_from_dict
     from splitstage.tasks.stage2.batches import CachedBatches
     from splitstage.tasks.stage2.trainer import read_samples
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitstage.pipelines.config import SplitstageConfig, config_from_dict
+from splitstage.config.job import SplitstageConfig, config_from_dict
 
 
 def demo_job(work: Path, name: str, samples: int, cache: dict | None = None, **train):

@@ -176,7 +176,7 @@ def load_steps(kind: str, size: tuple, device, work: Path, state: dict):
     """Load every model of the folder and prepare the batch the steps train on."""
     from bench_families import Steps, job_config
 
-    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.data.digits import write_digits_dataset
 
     if kind not in state:
         raise Skipped(f"no {kind} folder (see its build row)")
@@ -298,8 +298,8 @@ def all_reduce(device, work: Path, check: Check):
 
 def launcher(device, work: Path, check: Check):
     """splitstage's real preprocess + train (torchrun, 1 process) on a tiny SD folder."""
-    from splitstage.pipelines.config import config_from_dict
-    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.config.job import config_from_dict
+    from splitstage.data.digits import write_digits_dataset
     from splitstage.tasks.stage1.preprocess import preprocess
     from splitstage.tasks.stage2.launch import train
     from splitstage.tiny_diffusers import write_tiny_folder

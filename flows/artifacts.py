@@ -23,13 +23,13 @@ from prefect.artifacts import (
 )
 from prefect.context import FlowRunContext
 
+from splitstage.config.job import SplitstageConfig
 from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
-from splitstage.pipelines.config import SplitstageConfig
 from splitstage.splitter.report import plan_rows
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.outputs import open_output
-from splitstage.tasks.plan import JobPlan
+from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.preprocess import PreprocessReport
+from splitstage.tasks.stage2.outputs import open_output
 
 
 def artifact_key(config: SplitstageConfig, what: str) -> str:

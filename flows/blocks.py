@@ -1,6 +1,6 @@
 """Read a Prefect block named in the config (`credentials_block`) as s3fs options: what a
 deployment on a work pool uses instead of environment variables. Registered as the
-`splitstage.credentials` entry point (see `pipelines.credentials`).
+`splitstage.credentials` entry point (see `storage.credentials`).
 
 Blocks: prefect-aws `AwsCredentials` (`aws-credentials/NAME`), `MinIOCredentials`
 (`minio-credentials/NAME`) and `S3Bucket` (`s3-bucket/NAME`: its credentials are used).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitstage.pipelines.config_base import ConfigError
-from splitstage.pipelines.urls import scrub
+from splitstage.config.base_group import ConfigError
+from splitstage.storage.urls import scrub
 
 
 def _secret(value: Any) -> str | None:

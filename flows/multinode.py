@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.tasks.stage2.launch import torchrun_spec
 from splitstage.tasks.stage2.torchrun import build_command
 
@@ -70,5 +70,5 @@ def apply_node_env(
 def torchrun_command(
     config: SplitstageConfig, node_rank: int, spec: str = "runs/train/RUN/spec.json"
 ) -> list[str]:
-    """The torchrun command line this node runs (what `tasks.train.train` launches)."""
+    """The torchrun command line this node runs (what `tasks.stage2.launch` launches)."""
     return build_command(torchrun_spec(config, Path(spec), node_rank))

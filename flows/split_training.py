@@ -17,14 +17,14 @@ from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled
 
+from splitstage.config.job import SplitstageConfig
 from splitstage.flows.artifacts import publish_plan, publish_summary
 from splitstage.flows.cancel import stop_training
-from splitstage.flows.outputs import current_version, run_id_for
-from splitstage.flows.preprocess import FanOut, preprocess_flow
-from splitstage.flows.tasks import plan_job
-from splitstage.flows.train import REPORT_FILE, train_flow
-from splitstage.pipelines.config import SplitstageConfig
-from splitstage.tasks.outputs import open_output
+from splitstage.flows.preprocess_flow import FanOut, preprocess_flow
+from splitstage.flows.task_wrappers import plan_job
+from splitstage.flows.train_flow import REPORT_FILE, train_flow
+from splitstage.flows.versioned_outputs import current_version, run_id_for
+from splitstage.tasks.stage2.outputs import open_output
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 
 Generic code (tasks/, flows/) never names a family: it calls `family_for(config)` and uses only
 this interface. A family is one module (or folder) with a torch-free config group (its
-`[pipeline]` settings, see `pipelines.pipeline_config.setting`) that names its `Family`
-subclass; the registry (`pipelines.registry`) finds the group by name. See
+`[pipeline]` settings, see `config.pipeline_group.setting`) that names its `Family`
+subclass; the registry (`config.families`) finds the group by name. See
 docs/adding-a-family.md.
 """
 
@@ -19,16 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitstage.pipelines.buckets import BucketError, Buckets
-from splitstage.pipelines.config import ConfigError, ModelConfig
-from splitstage.pipelines.registry import config_class, import_object
+from splitstage.config.families import config_class, import_object
+from splitstage.config.job import ConfigError, ModelConfig
+from splitstage.data.buckets import BucketError, Buckets
 from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
-from splitstage.pipelines.safetensors_io import index_weight_map, is_index_path
 from splitstage.splitter import Pipeline
+from splitstage.storage.safetensors_io import index_weight_map, is_index_path
 
 if TYPE_CHECKING:
-    from splitstage.pipelines.config import SplitstageConfig
-    from splitstage.pipelines.data import Row, SizeRule
+    from splitstage.config.job import SplitstageConfig
+    from splitstage.data.dataset import Row, SizeRule
 
 
 @dataclass

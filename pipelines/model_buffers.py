@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitstage.pipelines.config_base import ConfigError
+from splitstage.config.base_group import ConfigError
 
 KEPT = "_splitstage_buffers"
 

@@ -135,7 +135,7 @@ def _shard(value: str) -> tuple[int, int]:
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
     """Stage 1: compute V2 outputs for samples not yet cached; print a one-line summary."""
-    from splitstage.pipelines.config import load_config
+    from splitstage.config.job import load_config
     from splitstage.tasks.stage1.preprocess import preprocess
 
     config = load_config(args.config)
@@ -154,7 +154,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Stage 2: launch torchrun for this node, stream its output, print a summary."""
-    from splitstage.pipelines.config import load_config
+    from splitstage.config.job import load_config
     from splitstage.tasks.stage2.launch import train
     from splitstage.tasks.stage2.torchrun import TorchrunError
 
@@ -176,9 +176,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
     """Show or check the cache of a job: statistics, or every shard's size, checksum and params
     against its index entry and the manifest. `verify` moves damaged entries to quarantine/ (no
     reader sees them again) so that the next preprocess recomputes their samples."""
-    from splitstage.pipelines.config import load_config
+    from splitstage.config.job import load_config
     from splitstage.tasks.cache.shard_format import CacheNotFoundError
-    from splitstage.tasks.plan import make_plan, open_cache
+    from splitstage.tasks.job_plan import make_plan, open_cache
 
     config = load_config(args.config)
     plan = make_plan(config)
@@ -209,7 +209,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def cmd_data_digits(args: argparse.Namespace) -> int:
     """Write scikit-learn's handwritten digits as a DiffSynth-format image-caption data set."""
-    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.data.digits import write_digits_dataset
 
     count = write_digits_dataset(args.out_dir, limit=args.limit, size=args.size)
     print(f"wrote {count} samples to {args.out_dir} (metadata.csv + images/)")
@@ -227,8 +227,8 @@ def cmd_demo_weights(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check a job config and print its plan and cache key, without running anything."""
-    from splitstage.pipelines.config import load_config
-    from splitstage.tasks.plan import make_plan
+    from splitstage.config.job import load_config
+    from splitstage.tasks.job_plan import make_plan
     from splitstage.tasks.stage2.preflight import preflight
 
     config = load_config(args.config)
@@ -243,8 +243,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_families(args: argparse.Namespace) -> int:
     """List the pipeline families a job may name, with their `[pipeline]` settings."""
-    from splitstage.pipelines.pipeline_config import STAGE1
-    from splitstage.pipelines.registry import config_class, family_names
+    from splitstage.config.families import config_class, family_names
+    from splitstage.config.pipeline_group import STAGE1
 
     for name in family_names():
         group = config_class(name)

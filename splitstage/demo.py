@@ -52,14 +52,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def write_demo_weights(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """The demo's weights: its autoencoder (encoder + decoder, trained on the digits in seconds,
     deterministically) and the DiT (a seeded init standing in for a pretrained file)."""
-    from splitstage.pipelines.demo.weights import build_demo_weights
+    from splitstage.pipelines.demo.weight_files import build_demo_weights
 
     return build_demo_weights(out_dir, seed=seed)
 
 
 def prepare_inputs(config) -> None:
     """Write the digits data set and the demo weights where the config expects them (once)."""
-    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.data.digits import write_digits_dataset
 
     data = Path(config.data.base_path)
     if not (data / "metadata.csv").is_file():
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes one level
     os.chdir(ROOT)  # the demo config's paths are relative to the repository root
-    from splitstage.pipelines.config import ConfigError, load_config
+    from splitstage.config.job import ConfigError, load_config
     from splitstage.splitter import UserError
 
     try:

@@ -74,8 +74,8 @@ def one_thread() -> Iterator[None]:
 def _digit_images(size: int) -> torch.Tensor:
     from sklearn.datasets import load_digits
 
-    from splitstage.pipelines.digits import digit_image
-    from splitstage.pipelines.images import image_to_tensor
+    from splitstage.data.digits import digit_image
+    from splitstage.data.images import image_to_tensor
 
     pixels = load_digits().images
     return torch.stack([image_to_tensor(digit_image(p, size)) for p in pixels])

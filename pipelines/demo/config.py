@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import field_validator
 
-from splitstage.pipelines.pipeline_config import PipelineConfig, setting
+from splitstage.config.pipeline_group import PipelineConfig, setting
 
 
 class DemoPipelineConfig(PipelineConfig):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitstage.pipelines.config import ConfigError, ModelConfig
-from splitstage.pipelines.data import DataError, Row, load_sample
+from splitstage.config.job import ConfigError, ModelConfig
+from splitstage.data.dataset import DataError, Row, load_sample
 from splitstage.pipelines.demo.dit import DiT, dit_module_fqns, prune_to_stage
 from splitstage.pipelines.demo.text import (
     encode_prompts,
@@ -25,7 +25,7 @@ from splitstage.pipelines.demo.text import (
     text_encoder_path,
 )
 from splitstage.pipelines.demo.vae import VAEEncoder
-from splitstage.pipelines.demo.weights import load_weights, weights_config
+from splitstage.pipelines.demo.weight_files import load_weights, weights_config
 from splitstage.pipelines.family import Family, TrainingStep, require_file
 from splitstage.pipelines.flow_matching import (
     add_noise,
@@ -34,7 +34,7 @@ from splitstage.pipelines.flow_matching import (
     sample_timesteps,
 )
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
-from splitstage.pipelines.sampling import flow_euler, guided, linear_sigmas
+from splitstage.pipelines.sampling_common import flow_euler, guided, linear_sigmas
 from splitstage.splitter import Pipeline, Unit
 
 STEP_PARAMS = ("latents", "timestep", "noise")
@@ -257,7 +257,7 @@ class DemoFamily(Family):
 
     def load_decoder(self, device: torch.device) -> nn.Module:
         """The demo autoencoder's decoder (written by `splitstage demo-weights`)."""
-        from splitstage.pipelines.demo.weights import load_decoder
+        from splitstage.pipelines.demo.weight_files import load_decoder
 
         path = self.decoder_path()
         require_file(str(path), "models.vae_decoder.weights", WEIGHTS_HINT)

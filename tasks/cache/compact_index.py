@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import splitstage.tasks.cache.shard_format as fmt
-from splitstage.tasks.cache.errors import CacheCorruptError
+from splitstage.tasks.cache.cache_errors import CacheCorruptError
 from splitstage.tasks.cache.group_labels import ImageSizes, group_labels
 from splitstage.tasks.cache.index_entry import bad_params
 from splitstage.tasks.cache.key_table import KeyTable, _as_ascii, _encode

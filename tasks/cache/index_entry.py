@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splitstage.tasks.cache.errors import CacheCorruptError
+from splitstage.tasks.cache.cache_errors import CacheCorruptError
 
 FORMAT_VERSION = 2  # 2: index entries hold a table of distinct param specs; 1 is still read
 NAME_RE = re.compile(r"^[A-Za-z0-9_=-][A-Za-z0-9_.=-]*$")

@@ -23,10 +23,10 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-import splitstage.tasks.cache.storage as st
-from splitstage.pipelines.safetensors_io import read_metadata
+import splitstage.storage.files as st
+from splitstage.storage.safetensors_io import read_metadata
+from splitstage.tasks.cache.cache_errors import CacheCorruptError
 from splitstage.tasks.cache.compact_index import CompactIndex, IndexBuilder, canonical
-from splitstage.tasks.cache.errors import CacheCorruptError
 from splitstage.tasks.cache.index_entry import (
     all_names,
     bad_params,

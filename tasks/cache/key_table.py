@@ -20,8 +20,8 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from splitstage.pipelines.safetensors_io import read_metadata
 from splitstage.splitter import UserError
+from splitstage.storage.safetensors_io import read_metadata
 
 _FORMAT = 1
 _META = "splitstage-keys"

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from splitstage.tasks.cache.errors import CacheCorruptError
+from splitstage.tasks.cache.cache_errors import CacheCorruptError
 from splitstage.tasks.cache.index_entry import all_names
 from splitstage.tasks.cache.key_table import KeyFileError, KeyTable
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
+import splitstage.storage.files as st
 import splitstage.tasks.cache.shard_format as fmt
-import splitstage.tasks.cache.storage as st
-from splitstage.tasks.cache.errors import CacheCorruptError
+from splitstage.storage.files import storage_errors
+from splitstage.tasks.cache.cache_errors import CacheCorruptError
 from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.manifest import MANIFEST
 from splitstage.tasks.cache.snapshot_check import snapshot_check
-from splitstage.tasks.cache.storage import storage_errors
 
 QUARANTINE = "quarantine"
 READ_BATCH_BYTES = 256 * 2**20

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 
-from splitstage.pipelines.safetensors_io import read_metadata
-from splitstage.tasks.cache.errors import (  # noqa: F401  (re-exported: importers use fmt.X)
+from splitstage.storage.safetensors_io import read_metadata
+from splitstage.tasks.cache.cache_errors import (  # noqa: F401  (re-exported: importers use fmt.X)
     CacheCorruptError,
     CacheNotFoundError,
     SampleNotCachedError,

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import splitstage.storage.files as st
 import splitstage.tasks.cache.shard_format as fmt
-import splitstage.tasks.cache.storage as st
-from splitstage.tasks.cache.storage import storage_errors
+from splitstage.storage.files import storage_errors
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import splitstage.tasks.cache.shard_format as fmt
-from splitstage.tasks.cache.shard_format import ShardInfo
-from splitstage.tasks.cache.storage import (
+from splitstage.storage.files import (
     display_url,
     is_local,
     raise_if_storage_error,
     storage_errors,
     write_chains,
 )
+from splitstage.tasks.cache.shard_format import ShardInfo
 
 
 @dataclass(eq=False)

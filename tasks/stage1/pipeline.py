@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from splitstage.pipelines.data import DataError
-from splitstage.tasks.switch_interval import shorter_switch_interval
+from splitstage.data.dataset import DataError
+from splitstage.tasks.cache.switch_interval import shorter_switch_interval
 
 Record = dict[str, Any]
 _DONE = object()

@@ -29,18 +29,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from splitstage.pipelines.config import SplitstageConfig
-from splitstage.pipelines.data import DataError, Row
+from splitstage.config.job import SplitstageConfig
+from splitstage.data.dataset import DataError, Row
+from splitstage.data.index import DataIndex, Shown, index_data_set
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.data_index import DataIndex, Shown, index_data_set
 from splitstage.tasks.device import pick_device
-from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline
-from splitstage.tasks.stage1.report import (
+from splitstage.tasks.stage1.preprocess_report import (
     CacheSnapshot,
     PreprocessReport,
     ShardReport,
@@ -48,7 +48,7 @@ from splitstage.tasks.stage1.report import (
     summarize_preprocess,
     summarize_shards,
 )
-from splitstage.tasks.validation_prompts import (
+from splitstage.tasks.stage1.validation_prompts import (
     prompts_path,
     validation_prompts_written,
     write_validation_prompts,
@@ -281,7 +281,7 @@ def _write(store: CacheStore, shard, report: ShardReport) -> None:
 
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex, verify):
     """Process-pool entry: rebuild the config, limit torch threads, run one shard."""
-    from splitstage.pipelines.config import SplitstageConfig
+    from splitstage.config.job import SplitstageConfig
 
     torch.set_num_threads(threads)
     config = SplitstageConfig.model_validate_json(config_json)

@@ -16,11 +16,11 @@ from typing import Any
 
 import PIL
 
-from splitstage.pipelines.data import DataError, Row
-from splitstage.pipelines.data_source import source_for
-from splitstage.pipelines.images import DECODE_VERSION
+from splitstage.data.dataset import DataError, Row
+from splitstage.data.images import DECODE_VERSION
+from splitstage.data.index import DataIndex
+from splitstage.data.source import source_for
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.data_index import DataIndex
 
 FOLDER = "undecodable"
 IMAGE = "{image}"  # stands for the image's path or URL in a recorded reason

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from splitstage.pipelines.config import SplitstageConfig
+from splitstage.config.job import SplitstageConfig
+from splitstage.data.index import index_data_set
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import collate_samples
 from splitstage.tasks.cache.batch_plan import EpochPlan, Position, group_members, plan_epoch
 from splitstage.tasks.cache.reader import CacheDataset
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.data_index import index_data_set
 
 
 class PlannedBatches:

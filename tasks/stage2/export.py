@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from splitstage.pipelines.config import SplitstageConfig
+from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.family import ExportRequest, Family
-from splitstage.tasks.cache.storage import ensure_folder, join, write_atomic
-from splitstage.tasks.outputs import open_output
+from splitstage.storage.files import ensure_folder, join, write_atomic
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
+from splitstage.tasks.stage2.outputs import open_output
 
 
 def request_for(config: SplitstageConfig, stage2: Stage2Models, family: Family, steps: int):

@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig, check_path_segment
+from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segment
 from splitstage.splitter import UserError
-from splitstage.tasks.outputs import ERROR_FILE, output_storage_options, run_paths
-from splitstage.tasks.plan import make_plan
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.lease import RunLease
+from splitstage.tasks.stage2.outputs import ERROR_FILE, output_storage_options, run_paths
 from splitstage.tasks.stage2.preflight import Preflight, preflight
 from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from fsspec.asyn import sync
 
 from splitstage.splitter import UserError
-from splitstage.tasks.cache import storage
+from splitstage.storage import files as storage
 from splitstage.tasks.stage2 import liveness
 
 log = logging.getLogger(__name__)

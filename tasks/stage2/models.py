@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family
-from splitstage.tasks.plan import JobPlan
+from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.distributed import DistInfo, build_mesh
 from splitstage.tasks.stage2.parallelize import parallelize
-from splitstage.tasks.stage2.weights import materialize_and_load
+from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 
 LORA_ADAPTER = "default"
 

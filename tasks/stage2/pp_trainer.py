@@ -22,7 +22,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_bytes
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family, TrainingStep, family_for
 from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import (
@@ -33,8 +33,8 @@ from splitstage.splitter import (
 )
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, add_lora
+from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 from splitstage.tasks.stage2.trainer import Trainer, step_generator, to_device
-from splitstage.tasks.stage2.weights import materialize_and_load
 
 STAGES = "train.nnodes * train.nproc_per_node"
 

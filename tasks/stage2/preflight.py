@@ -17,24 +17,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.data.index import DataIndex, index_data_set
 from splitstage.splitter import UserError
+from splitstage.storage.files import StorageError, join, write_atomic
 from splitstage.tasks.cache.batch_plan import plan_epoch
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
-from splitstage.tasks.cache.storage import StorageError, join, write_atomic
-from splitstage.tasks.data_index import DataIndex, index_data_set
-from splitstage.tasks.outputs import open_output, output_storage_options
-from splitstage.tasks.plan import JobPlan, open_cache
+from splitstage.tasks.job_plan import JobPlan, open_cache
+from splitstage.tasks.stage1.validation_prompts import read_validation_prompts
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
+from splitstage.tasks.stage2.outputs import open_output, output_storage_options
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
+from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
 from splitstage.tasks.stage2.resume import compare, run_settings
 from splitstage.tasks.stage2.tracking import tracker_names
 from splitstage.tasks.stage2.validation import check_validation_sizes
-from splitstage.tasks.stage2.weights_file import WeightsError, check_weights_file
-from splitstage.tasks.validation_prompts import read_validation_prompts
 
 RUN_PATHS = {"output_url": "output.url", "checkpoint_url": "train.checkpoint_url"}
 

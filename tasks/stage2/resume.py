@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitstage.pipelines.config import SplitstageConfig
+from splitstage.config.job import SplitstageConfig
 from splitstage.splitter import UserError
 
 # Settings that fix the sample stream or the trained tensors: a change is refused.

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.batch_plan import Position
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.device import pick_dtype
-from splitstage.tasks.plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from splitstage.tasks.stage2.distributed import DistInfo, init_distributed

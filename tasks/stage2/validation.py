@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.config.monitoring import size_label
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
-from splitstage.pipelines.sampling import grid_png
-from splitstage.pipelines.validation_config import size_label
-from splitstage.tasks.cache.storage import join, write_atomic
-from splitstage.tasks.outputs import open_output
-from splitstage.tasks.plan import JobPlan
-from splitstage.tasks.validation_prompts import Conditioning, encode, read_validation_prompts
+from splitstage.pipelines.sampling_common import grid_png
+from splitstage.storage.files import join, write_atomic
+from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.stage1.validation_prompts import Conditioning, encode, read_validation_prompts
+from splitstage.tasks.stage2.outputs import open_output
 
 SAMPLES_FOLDER = "samples"
 GRID_TAG = "samples"  # the trackers' image name (a size's grid: "samples/768x512")

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from splitstage.splitter import UserError
-from splitstage.tasks.outputs import ERROR_FILE
 from splitstage.tasks.stage2.distributed import close_distributed
+from splitstage.tasks.stage2.outputs import ERROR_FILE
 from splitstage.tasks.stage2.trainer import Trainer
 
 

@@ -19,11 +19,11 @@ from diffsynth.core.loader import hash_model_file
 from diffsynth.diffusion.loss import FlowMatchSFTLoss
 from safetensors.torch import load_file
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import load_metadata
-from splitstage.pipelines.diffsynth_family.loader import pipeline_class
-from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.tasks.plan import make_plan
+from splitstage.config.job import config_from_dict
+from splitstage.data.dataset import load_metadata
+from splitstage.data.digits import write_digits_dataset
+from splitstage.pipelines.diffsynth.loader import pipeline_class
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.distributed import DistInfo
 from splitstage.tasks.stage2.launch import train

@@ -37,7 +37,7 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def demo_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The demo VAE and DiT weight files, written once per session."""
-    from splitstage.pipelines.demo.weights import build_demo_weights
+    from splitstage.pipelines.demo.weight_files import build_demo_weights
 
     return build_demo_weights(tmp_path_factory.mktemp("weights"))
 
@@ -60,7 +60,7 @@ def tiny_job_config(
     root: Path, weights: dict[str, Path], name: str, samples: int, **overrides
 ) -> dict:
     """A job config dict for a tiny run: `samples` digits, tiny text encoder, 2 updates."""
-    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.data.digits import write_digits_dataset
 
     data = root / "data"
     write_digits_dataset(data, limit=samples)

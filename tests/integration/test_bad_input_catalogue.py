@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from splitstage.cli import main
-from splitstage.pipelines.demo.weights import build_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.data.digits import write_digits_dataset
+from splitstage.pipelines.demo.weight_files import build_demo_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from splitstage.cli import main
-from splitstage.pipelines.config import load_config
-from splitstage.pipelines.demo.weights import build_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.tasks.hash_memo import FOLDER
-from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.config.job import load_config
+from splitstage.data.digits import write_digits_dataset
+from splitstage.data.hash_memo import FOLDER
+from splitstage.pipelines.demo.weight_files import build_demo_weights
+from splitstage.tasks.job_plan import make_plan, open_cache
 
 pytestmark = pytest.mark.slow
 

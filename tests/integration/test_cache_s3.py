@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import splitstage.tasks.cache.store as cache_store_module
-from splitstage.tasks.cache.reader import CacheDataset
-from splitstage.tasks.cache.storage import (
+from splitstage.storage.files import (
     StorageBucketNotFoundError,
     StorageCredentialsError,
     StorageError,
@@ -17,6 +16,7 @@ from splitstage.tasks.cache.storage import (
     open_fs,
     write_chains,
 )
+from splitstage.tasks.cache.reader import CacheDataset
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
 from tests.unit.test_cache_store import (
     assert_same,

@@ -113,7 +113,7 @@ KILLED_WRITER = textwrap.dedent(
     import sys
     from splitstage.tasks.cache.store import CacheStore
     from splitstage.tasks.stage1.preprocess import _write
-    from splitstage.tasks.stage1.report import ShardReport
+    from splitstage.tasks.stage1.preprocess_report import ShardReport
     from tests.integration.test_cache_writer import pipeline
 
     url, endpoint = sys.argv[1:3]

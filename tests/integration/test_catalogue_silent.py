@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from splitstage.data.digits import write_digits_dataset
 from splitstage.demo import write_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
 from tests.integration.test_bad_input_catalogue import check_one_line
 from tests.integration.test_catalogue_prelaunch import cli, job
 
@@ -87,7 +87,7 @@ def test_resume_after_a_config_change_continues_exactly_or_is_refused(assets, tm
 def test_a_second_train_of_the_same_run_is_refused_while_the_first_holds_it(
     assets, tmp_path, capsys
 ):
-    from splitstage.pipelines.config import load_config
+    from splitstage.config.job import load_config
     from splitstage.tasks.stage2.launch import train
 
     path = job(assets, tmp_path, train="batch_size = 2\nmax_steps = 100000\ncheckpoint_every = 1")

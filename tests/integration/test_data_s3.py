@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import sample_key
-from splitstage.tasks.data_index import index_data_set
-from splitstage.tasks.hash_memo import FOLDER
+from splitstage.config.job import config_from_dict
+from splitstage.data.dataset import sample_key
+from splitstage.data.hash_memo import FOLDER
+from splitstage.data.index import index_data_set
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ def test_two_workers_without_shared_disk_and_a_rerun_after_changes(
     monkeypatch.chdir(tmp_path)
     final = preprocess(parsed, progress=False)  # the coordinator: all cached, writes the manifest
     assert (final.computed, final.reused) == (0, len(new_keys))
-    from splitstage.tasks.plan import make_plan, open_cache
+    from splitstage.tasks.job_plan import make_plan, open_cache
 
     manifest = open_cache(parsed, make_plan(parsed)).read_manifest()
     assert set(manifest["samples"]) == new_keys  # stage 2's sample set: the deleted one is gone
@@ -176,7 +176,7 @@ def test_credentials_from_a_prefect_block_read_data_and_write_cache(
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from splitstage.pipelines.credentials import forget_blocks
+    from splitstage.storage.credentials import forget_blocks
     from splitstage.tasks.stage1.preprocess import preprocess
 
     url, opts = s3_auth
@@ -233,7 +233,7 @@ def test_folders_listed_one_by_one_see_every_row_and_a_missing_file_appearing(
 
 
 def test_which_folders_are_listed_one_by_one():
-    from splitstage.pipelines.data_source import _folders_to_list
+    from splitstage.data.source import _folders_to_list
 
     many = [f"a/{i}.png" for i in range(40)] + [f"a/b/{i}.png" for i in range(40)]
     assert _folders_to_list(many) == ["a"]  # a/b is listed with a

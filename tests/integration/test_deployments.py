@@ -106,7 +106,7 @@ def tiny_params(tmp_path_factory, demo_weights, s3_endpoint):
     """A tiny job: 12 digits, tiny text encoder, cache in the S3 test bucket, 2 updates."""
     import s3fs
 
-    from splitstage.pipelines.digits import write_digits_dataset
+    from splitstage.data.digits import write_digits_dataset
 
     root = tmp_path_factory.mktemp("deploy-job")
     write_digits_dataset(root / "data", limit=12)

@@ -23,11 +23,11 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import load_metadata
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.config.job import config_from_dict
+from splitstage.data.dataset import load_metadata
+from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
-from splitstage.tasks.plan import make_plan
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
 from splitstage.tasks.stage2.distributed import DistInfo

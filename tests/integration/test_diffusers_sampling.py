@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.diffusers_families.packing import pack
+from splitstage.config.job import config_from_dict
+from splitstage.pipelines.diffusers.packing import pack
 from splitstage.pipelines.runtime import StepContext
-from splitstage.tasks.plan import make_plan
-from splitstage.tasks.validation_prompts import encode
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from splitstage.pipelines.config import ConfigError, config_from_dict
-from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.pipelines.registry import family_names
-from splitstage.tasks.plan import make_plan
+from splitstage.config.families import family_names
+from splitstage.config.job import ConfigError, config_from_dict
+from splitstage.data.digits import write_digits_dataset
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.launch import train
 

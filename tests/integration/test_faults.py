@@ -21,13 +21,13 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.demo.weights import build_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.config.job import config_from_dict
+from splitstage.data.digits import write_digits_dataset
+from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.splitter import UserError
-from splitstage.tasks.cache.storage import StorageError
+from splitstage.storage.files import StorageError
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.torchrun import TorchrunError, free_port
@@ -77,7 +77,7 @@ def assert_complete_and_consistent(config) -> CacheStore:
 
 
 PREPROCESS = (
-    "import sys; from splitstage.pipelines.config import SplitstageConfig; "
+    "import sys; from splitstage.config.job import SplitstageConfig; "
     "from splitstage.tasks.stage1.preprocess import preprocess; "
     "preprocess(SplitstageConfig.model_validate_json(open(sys.argv[1]).read()), "
     "workers=int(sys.argv[2]), progress=False)"

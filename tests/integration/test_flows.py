@@ -10,14 +10,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.data.dataset import DataError
 from splitstage.flows.artifacts import artifact_key, summary_markdown
 from splitstage.flows.loss_plot import loss_curve_png
 from splitstage.flows.multinode import apply_node_env, torchrun_command
-from splitstage.flows.outputs import export_prefix, version_for
-from splitstage.flows.tasks import is_transient_io_error, retry_on_io
-from splitstage.pipelines.config import ConfigError, SplitstageConfig
-from splitstage.pipelines.data import DataError
-from splitstage.tasks.cache.storage import StorageCredentialsError, StorageUnreachableError
+from splitstage.flows.task_wrappers import is_transient_io_error, retry_on_io
+from splitstage.flows.versioned_outputs import export_prefix, version_for
+from splitstage.storage.files import StorageCredentialsError, StorageUnreachableError
 
 CANARY_KEY_ID = "AKIACANARYKEYID0000"
 CANARY_SECRET = "canary-secret-must-never-be-shown-7f3a"
@@ -173,8 +173,8 @@ def run_texts(flow_run_ids) -> list[str]:
 
 @pytest.mark.slow
 def test_incremental_rerun_writes_new_version_and_artifacts(prefect_harness, tiny_job, tmp_path):
+    from splitstage.data.digits import write_digits_dataset
     from splitstage.flows.split_training import split_training
-    from splitstage.pipelines.digits import write_digits_dataset
 
     job = "digits-incremental"
     config = tiny_job(job, samples=12)
@@ -214,8 +214,8 @@ def test_preprocess_flow_on_s3_keeps_credentials_out_of_the_dashboard(
     prefect_harness, tiny_job, s3_bucket, s3_endpoint, monkeypatch
 ):
     """Two local shards write the cache to S3 (training from S3 runs in test_deployments)."""
-    from splitstage.flows.preprocess import preprocess_flow
-    from splitstage.tasks.cache.storage import open_fs
+    from splitstage.flows.preprocess_flow import preprocess_flow
+    from splitstage.storage.files import open_fs
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", CANARY_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY_SECRET)
@@ -253,7 +253,7 @@ def test_cancelling_training_ends_the_torchrun_process_tree(prefect_harness, tin
     from prefect import get_client
     from prefect.states import Cancelling
 
-    from splitstage.flows.train import train_flow
+    from splitstage.flows.train_flow import train_flow
     from splitstage.tasks.stage1.preprocess import preprocess
 
     config = SplitstageConfig.model_validate(

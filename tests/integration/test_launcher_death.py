@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from splitstage.data.digits import write_digits_dataset
 from splitstage.demo import write_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
 from splitstage.tasks.stage2.liveness import is_alive
 from tests.integration.test_catalogue_prelaunch import job
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import splitstage.tasks.stage2.lease as lease_module
-from splitstage.tasks.cache.storage import StorageError
+from splitstage.storage.files import StorageError
 from splitstage.tasks.stage2.lease import RunLease, RunLeaseHeldError, hold_run, read_lease
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 TTL = 2.0
 HOLDER = """
 import json, sys, time
-from splitstage.tasks.cache.storage import StorageError
+from splitstage.storage.files import StorageError
 from splitstage.tasks.stage2.lease import hold_run
 with hold_run(sys.argv[1], json.loads(sys.argv[2]), ttl=float(sys.argv[3])):
     print("held", flush=True)

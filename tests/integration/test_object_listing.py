@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitstage.pipelines import object_listing
-from splitstage.pipelines.data_source import DataSource
-from splitstage.pipelines.object_listing import list_concurrently
+from splitstage.data.source import DataSource
+from splitstage.storage import object_listing
+from splitstage.storage.object_listing import list_concurrently
 
 pytestmark = pytest.mark.slow
 ROOT = "bucket/prefix/data"

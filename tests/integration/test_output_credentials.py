@@ -10,8 +10,7 @@ import json
 import pytest
 import torch
 
-from splitstage.pipelines.config import ConfigError, config_from_dict
-from splitstage.tasks.outputs import open_output, output_storage_options, run_paths
+from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.tasks.stage2.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -19,6 +18,7 @@ from splitstage.tasks.stage2.checkpoint import (
     save_checkpoint,
 )
 from splitstage.tasks.stage2.launch import write_spec
+from splitstage.tasks.stage2.outputs import open_output, output_storage_options, run_paths
 from splitstage.tasks.stage2.preflight import probe_writable
 from tests.integration.test_data_s3 import _config
 
@@ -34,7 +34,7 @@ def block_job(s3_auth, s3_endpoint, demo_weights, tmp_path, monkeypatch, prefect
     from prefect_aws import AwsCredentials
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from splitstage.pipelines.credentials import forget_blocks
+    from splitstage.storage.credentials import forget_blocks
 
     url, opts = s3_auth
     writer, nobody = opts("writer"), opts("nobody")

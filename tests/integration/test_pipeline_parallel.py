@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from splitstage.pipelines.config import ConfigError
+from splitstage.config.job import ConfigError
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from tests.integration.tiny_job import make_workspace, tiny_config

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from splitstage.pipelines.config import load_config
-from splitstage.pipelines.demo.weights import build_demo_weights
+from splitstage.config.job import load_config
+from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.stage1.preprocess import preprocess
 from tests.integration.test_bad_input_catalogue import check_one_line
 from tests.integration.test_catalogue_prelaunch import cli

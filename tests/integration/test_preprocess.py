@@ -16,14 +16,14 @@ import pytest
 import torch
 from PIL import Image
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import DataError
+from splitstage.config.job import config_from_dict
+from splitstage.data.dataset import DataError
+from splitstage.data.digits import write_digits_dataset
+from splitstage.data.index import index_data_set
 from splitstage.pipelines.demo.family import DemoFamily
-from splitstage.pipelines.demo.weights import build_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.data_index import index_data_set
-from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ def test_killed_worker_then_rerun_completes_without_recomputing_commits(assets, 
     config_path = tmp_path / "job.json"
     config_path.write_text(config.model_dump_json())
     script = (
-        "import sys; from splitstage.pipelines.config import SplitstageConfig; "
+        "import sys; from splitstage.config.job import SplitstageConfig; "
         "from splitstage.tasks.stage1.preprocess import preprocess; "
         "preprocess(SplitstageConfig.model_validate_json(open(sys.argv[1]).read()), "
         "workers=1, progress=False)"

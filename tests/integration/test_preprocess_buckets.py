@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import load_sample
+from splitstage.config.job import config_from_dict
+from splitstage.data.dataset import load_sample
+from splitstage.data.digits import write_digits_dataset
+from splitstage.data.index import index_data_set
 from splitstage.pipelines.demo.family import DemoFamily
-from splitstage.pipelines.digits import write_digits_dataset
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
-from splitstage.tasks.data_index import index_data_set
-from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
 from tests.demo_job import demo_sections
 

@@ -17,8 +17,8 @@ import torch
 
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
 from splitstage.tasks.stage2.checkpoint import load_checkpoint, save_checkpoint
+from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 from splitstage.tasks.stage2.safe_dcp import UnsafeCheckpointError
-from splitstage.tasks.stage2.weights import materialize_and_load
 
 
 class Payload:

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from splitstage.pipelines.urls import InvalidURLError
-from splitstage.tasks.cache.storage import (
+from splitstage.storage.files import (
     StorageBucketNotFoundError,
     StorageError,
     StorageFullError,
@@ -35,6 +34,7 @@ from splitstage.tasks.cache.storage import (
     write_atomic,
     write_chains,
 )
+from splitstage.storage.urls import InvalidURLError
 from splitstage.tasks.cache.store import CacheStore
 from tests.unit.test_cache_store import key_of, make_samples
 
@@ -317,7 +317,7 @@ def test_no_permission_as_root_without_dac_override(tmp_path):
     locked.chmod(0o555)
     code = textwrap.dedent(
         f"""
-        from splitstage.tasks.cache.storage import StoragePermissionError, open_fs, write_atomic
+        from splitstage.storage.files import StoragePermissionError, open_fs, write_atomic
         fs, root = open_fs({str(locked)!r})
         try:
             write_atomic(fs, root + "/x.bin", b"x")

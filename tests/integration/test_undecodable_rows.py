@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 import splitstage.tasks.stage1.preprocess as stage1
+from splitstage.data.index import index_data_set
 from splitstage.pipelines.demo.family import DemoFamily
-from splitstage.tasks.data_index import index_data_set
-from splitstage.tasks.plan import make_plan, open_cache
+from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.preprocess import preprocess, preprocess_shard
-from splitstage.tasks.stage1.report import snapshot, summarize_preprocess
+from splitstage.tasks.stage1.preprocess_report import snapshot, summarize_preprocess
 from tests.integration.test_preprocess import assets as assets  # the fixture
 from tests.integration.test_preprocess import make_config
 

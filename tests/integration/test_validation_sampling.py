@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from splitstage.pipelines.config import ConfigError, config_from_dict
-from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.tasks.plan import make_plan
+from splitstage.config.job import ConfigError, config_from_dict
+from splitstage.data.digits import write_digits_dataset
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage1.validation_prompts import prompts_path
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.preflight import preflight
-from splitstage.tasks.validation_prompts import prompts_path
 from splitstage.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow

@@ -12,16 +12,16 @@ import pytest
 import torch
 from PIL import Image
 
-from splitstage.pipelines.config import ConfigError, config_from_dict
+from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.pipelines.demo.family import DemoFamily
 from splitstage.pipelines.demo.vae import VAEEncoder
-from splitstage.pipelines.demo.weights import weights_config
-from splitstage.pipelines.diffusers_families.packing import pack
+from splitstage.pipelines.demo.weight_files import weights_config
+from splitstage.pipelines.diffusers.packing import pack
 from splitstage.pipelines.runtime import StepContext
-from splitstage.pipelines.sampling import flow_euler, guided, linear_sigmas
-from splitstage.tasks.plan import make_plan
+from splitstage.pipelines.sampling_common import flow_euler, guided, linear_sigmas
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.validation import Validator, check_validation_sizes, repeat_rows
-from splitstage.tasks.validation_prompts import encode
 from splitstage.tiny_diffusers import write_tiny_folder
 from tests.demo_job import demo_sections
 from tests.integration.test_diffusers_sampling import PIPELINE, family_plan
@@ -29,7 +29,7 @@ from tests.integration.test_diffusers_sampling import PIPELINE, family_plan
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
 PROMPTS = ["a handwritten digit seven", "a handwritten digit one"]
-SAMPLES_LINE = re.compile(r"\bsamples update (\d+): (\S+)")  # what flows/train.py publishes
+SAMPLES_LINE = re.compile(r"\bsamples update (\d+): (\S+)")  # what flows/train_flow.py publishes
 
 
 def demo_config(weights, out, **validation):
@@ -108,7 +108,7 @@ def test_every_size_gets_its_own_grid(demo_weights, demo_models, tmp_path):
     assert first == urls[0] and sized.grids == {3: urls} and sized.samples == {3: urls[0]}
     assert [SAMPLES_LINE.search(line).groups() for line in lines] == [("3", u) for u in urls]
     assert [(u, tag) for u, tag, _ in grids] == [(3, "samples/64x32"), (3, "samples/32x48")]
-    band = 14  # the label strip above each grid row (pipelines.sampling.grid_png)
+    band = 14  # the label strip above each grid row (pipelines.sampling_common.grid_png)
     for url, (_, _, png), (width, height) in zip(urls, grids, [(64, 32), (32, 48)], strict=True):
         with open(url, "rb") as file:
             assert file.read() == png

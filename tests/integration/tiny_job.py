@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitstage.pipelines.config import SplitstageConfig, config_from_dict
-from splitstage.pipelines.demo.weights import build_demo_weights
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.config.job import SplitstageConfig, config_from_dict
+from splitstage.data.digits import write_digits_dataset
+from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.stage1.preprocess import preprocess
 
 

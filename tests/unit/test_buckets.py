@@ -8,11 +8,12 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from splitstage.pipelines.buckets import BucketConfig, BucketError, Buckets
-from splitstage.pipelines.config import ConfigError, config_from_dict
-from splitstage.pipelines.data import Row, load_sample
-from splitstage.pipelines.demo.weights import build_demo_weights
-from splitstage.tasks.plan import make_plan
+from splitstage.config.bucket_settings import BucketConfig
+from splitstage.config.job import ConfigError, config_from_dict
+from splitstage.data.buckets import BucketError, Buckets
+from splitstage.data.dataset import Row, load_sample
+from splitstage.pipelines.demo.weight_files import build_demo_weights
+from splitstage.tasks.job_plan import make_plan
 from tests.demo_job import demo_sections
 
 
@@ -100,7 +101,7 @@ def test_buckets_the_family_cannot_take_are_refused_at_plan_time(tmp_path):
 
 
 def test_sdxl_conditions_on_the_original_size_and_the_crop_of_its_bucket(tmp_path):
-    from splitstage.pipelines.images import center_crop_box
+    from splitstage.data.images import center_crop_box
     from splitstage.tiny_diffusers import write_tiny_folder
 
     write_tiny_folder("sdxl", tmp_path / "sdxl")

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import splitstage.tasks.cache.store as cache_store_module
-from splitstage.tasks.cache.reader import CacheDataset, epoch_order
-from splitstage.tasks.cache.shard_format import CacheNotFoundError
-from splitstage.tasks.cache.storage import (
+from splitstage.storage.files import (
     StorageError,
     open_fs,
     redact,
     translate_error,
     write_atomic,
 )
+from splitstage.tasks.cache.reader import CacheDataset, epoch_order
+from splitstage.tasks.cache.shard_format import CacheNotFoundError
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore, SampleNotCachedError
 
 REPO = Path(__file__).resolve().parents[2]

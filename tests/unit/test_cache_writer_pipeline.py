@@ -12,7 +12,7 @@ import torch
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline
 from splitstage.tasks.stage1.preprocess import _write
-from splitstage.tasks.stage1.report import ShardReport
+from splitstage.tasks.stage1.preprocess_report import ShardReport
 
 
 class Ahead:

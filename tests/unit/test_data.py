@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from splitstage.pipelines import data as data_module
-from splitstage.pipelines import images
-from splitstage.pipelines.data import (
+from splitstage.data import dataset as data_module
+from splitstage.data import images
+from splitstage.data.dataset import (
     DataError,
     decode_image,
     image_to_tensor,
@@ -325,7 +325,7 @@ def test_cmyk_palette_bilevel_and_first_frame(tmp_path):
 def test_16bit_colour_png_is_read_at_8_bits_and_said(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(images, "_warned_16bit_colour", False)
     raw = b"".join(b"\0" + struct.pack(">HHH", 65535, 32768, 0) * 2 for _ in range(2))
-    with caplog.at_level("WARNING", logger="splitstage.pipelines.images"):
+    with caplog.at_level("WARNING", logger="splitstage.data.images"):
         image = _tensor(tmp_path, "rgb16.png", png_bytes(2, 2, depth=16, raw=raw))
         _tensor(tmp_path, "rgb16.png", png_bytes(2, 2, depth=16, raw=raw))
     assert torch.allclose(image[:, 0, 0], torch.tensor([1.0, 1 / 255, -1.0]), atol=1e-4)

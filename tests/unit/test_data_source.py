@@ -16,16 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from splitstage.pipelines import data_source
-from splitstage.pipelines.config import ConfigError, config_from_dict
-from splitstage.pipelines.data import (
+from splitstage.config.job import ConfigError, config_from_dict
+from splitstage.data import source as data_source
+from splitstage.data.dataset import (
     DataError,
     load_metadata,
     load_sample,
     read_image_bytes,
     sample_keys,
 )
-from splitstage.pipelines.data_source import DataSource
+from splitstage.data.source import DataSource
 
 
 def _png(color=(255, 0, 0), size=(8, 8)) -> bytes:

@@ -4,7 +4,8 @@ files load the way the demo family and a sampler load them."""
 import pytest
 import torch
 
-from splitstage.pipelines.data import load_metadata, load_sample
+from splitstage.data.dataset import load_metadata, load_sample
+from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.demo.autoencoder_training import (
     clear_trained_cache,
     digit_images,
@@ -14,13 +15,12 @@ from splitstage.pipelines.demo.autoencoder_training import (
     trained_autoencoder,
 )
 from splitstage.pipelines.demo.vae import VAEDecoder, VAEEncoder
-from splitstage.pipelines.demo.weights import (
+from splitstage.pipelines.demo.weight_files import (
     build_demo_weights,
     load_decoder,
     load_weights,
     weights_config,
 )
-from splitstage.pipelines.digits import write_digits_dataset
 
 # Measured held-out MSE in [-1,1] pixels: 0.0046 trained, 0.71 at init (0.23 for the mean image).
 HELDOUT_MSE_MAX = 0.02

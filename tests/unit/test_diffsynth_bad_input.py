@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from splitstage.pipelines.config import config_from_dict
+from splitstage.config.job import config_from_dict
 from splitstage.splitter import UserError
-from splitstage.tasks.plan import make_plan
+from splitstage.tasks.job_plan import make_plan
 
 
 def group(tmp_path: Path, **overrides):

@@ -25,10 +25,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.config.job import config_from_dict
+from splitstage.data.digits import write_digits_dataset
 from splitstage.splitter import UserError
-from splitstage.tasks.plan import make_plan
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tiny_diffusers import write_tiny_folder
 
@@ -526,8 +526,8 @@ def test_validate_on_the_command_line(case, cli_runs):
 
 def test_the_folder_names_the_family_each_pipeline_class_has():
     """folder.PIPELINE_FAMILIES (what a wrong-family message suggests) is the families' own."""
-    from splitstage.pipelines.diffusers_families import flux, sd, sd3, sdxl
-    from splitstage.pipelines.diffusers_families.folder import PIPELINE_FAMILIES
+    from splitstage.pipelines.diffusers import flux, sd, sd3, sdxl
+    from splitstage.pipelines.diffusers.folder import PIPELINE_FAMILIES
 
     families = (sd.SDFamily, sdxl.SDXLFamily, sd3.SD3Family, flux.FluxFamily)
     expected = {cls: family.name for family in families for cls in family.pipeline_classes}

@@ -2,8 +2,8 @@
 
 from PIL import Image
 
-from splitstage.pipelines.data import load_metadata, load_sample
-from splitstage.pipelines.digits import write_digits_dataset
+from splitstage.data.dataset import load_metadata, load_sample
+from splitstage.data.digits import write_digits_dataset
 
 
 def _files(root):

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import load_metadata, sample_keys
-from splitstage.tasks import hash_memo
-from splitstage.tasks.data_index import index_data_set
-from splitstage.tasks.hash_memo import FOLDER, HashMemo
-from splitstage.tasks.index_memo import SUFFIX
+from splitstage.config.job import config_from_dict
+from splitstage.data import hash_memo
+from splitstage.data.dataset import load_metadata, sample_keys
+from splitstage.data.hash_memo import FOLDER, HashMemo
+from splitstage.data.index import index_data_set
+from splitstage.data.index_memo import SUFFIX
 
 
 def hash_memo_file(config) -> Path:

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from splitstage.pipelines import file_stats, metadata_files
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import DataError
-from splitstage.tasks import index_memo
-from splitstage.tasks.data_index import index_data_set
-from splitstage.tasks.hash_memo import FOLDER
+from splitstage.config.job import config_from_dict
+from splitstage.data import file_stats, index_memo, metadata_files
+from splitstage.data.dataset import DataError
+from splitstage.data.hash_memo import FOLDER
+from splitstage.data.index import index_data_set
 
 
 def _age(path: Path, seconds: float = 60) -> None:

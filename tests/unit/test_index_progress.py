@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.digits import write_digits_dataset
-from splitstage.tasks import data_index
-from splitstage.tasks.data_index import Shown, index_data_set
+from splitstage.config.job import config_from_dict
+from splitstage.data import index as data_index
+from splitstage.data.digits import write_digits_dataset
+from splitstage.data.index import Shown, index_data_set
 
 
 @pytest.fixture

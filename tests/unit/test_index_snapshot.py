@@ -9,9 +9,9 @@ import os
 import pytest
 
 import splitstage.tasks.cache.index_snapshot as snap
+from splitstage.storage.files import is_local
 from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.key_table import KeyTable
-from splitstage.tasks.cache.storage import is_local
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
 from tests.unit.test_cache_store import assert_same, key_of, make_sample, make_samples
 

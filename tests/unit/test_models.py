@@ -6,7 +6,7 @@ import torch
 from splitstage.pipelines.demo.dit import DiT, dit_module_fqns, prune_to_stage
 from splitstage.pipelines.demo.text import encode_prompts, load_tiny_text_encoder
 from splitstage.pipelines.demo.vae import VAEEncoder
-from splitstage.pipelines.demo.weights import (
+from splitstage.pipelines.demo.weight_files import (
     build_demo_weights,
     load_weights,
     save_weights,

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from splitstage.pipelines import credentials
-from splitstage.pipelines.config import ConfigError, config_from_dict
-from splitstage.pipelines.storage_options import name_block, open_url, resolve_credentials
-from splitstage.tasks.outputs import output_storage_options
+from splitstage.config.job import ConfigError, config_from_dict
+from splitstage.storage import credentials
+from splitstage.storage.options import name_block, open_url, resolve_credentials
+from splitstage.tasks.stage2.outputs import output_storage_options
 
 BLOCK = "aws-credentials/out-creds"
 SECRET = "s3cr3t-from-the-block"

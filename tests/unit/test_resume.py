@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitstage.pipelines.config import config_from_dict
+from splitstage.config.job import config_from_dict
 from splitstage.tasks.cache.reader import epoch_order
 from splitstage.tasks.stage2.resume import ResumeConfigError, compare, run_settings
 

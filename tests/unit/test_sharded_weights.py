@@ -14,12 +14,12 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from safetensors.torch import save_file
 from torch import nn
 
-from splitstage.tasks.stage2.weights import materialize_and_load
-from splitstage.tasks.stage2.weights_file import (
+from splitstage.tasks.stage2.pretrained_weights import (
     PretrainedFile,
     WeightsError,
     WeightsFileNotFoundError,
     check_weights_file,
+    materialize_and_load,
 )
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"

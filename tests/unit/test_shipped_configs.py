@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitstage.pipelines.config import SplitstageConfig, config_from_dict, load_config
+from splitstage.config.job import SplitstageConfig, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import splitstage.tasks.cache.repair as repair
-from splitstage.tasks.cache.storage import is_local
+from splitstage.storage.files import is_local
 from splitstage.tasks.cache.store import CacheStore
 from tests.unit import test_index_snapshot as snapshot_tests
 from tests.unit.test_cache_store import key_of, make_sample, make_samples

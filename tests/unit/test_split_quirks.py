@@ -332,7 +332,7 @@ def test_cli_plan_accepts_json_string_fields_and_prints_the_warning(tmp_path, ca
 
 
 def test_diffsynth_objects_with_string_fields_split_like_diffsynth():
-    from splitstage.pipelines.diffsynth import pipeline_from_diffsynth
+    from splitstage.pipelines.diffsynth.adapter import pipeline_from_diffsynth
 
     class WanLikePipeline:
         units = [

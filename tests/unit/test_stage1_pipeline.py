@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from splitstage.pipelines.data import DataError
+from splitstage.data.dataset import DataError
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline, signature
 
 

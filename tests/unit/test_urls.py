@@ -1,4 +1,4 @@
-"""pipelines/urls.py, table-driven: storage URLs, bucket names, endpoints, rendezvous endpoints.
+"""storage/urls.py, table-driven: storage URLs, bucket names, endpoints, rendezvous endpoints.
 
 Every invalid value must raise `InvalidURLError` (a ValueError) whose one-line message names the
 field and says what is wrong; valid values come back in their normal form.
@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from splitstage.pipelines.urls import (
+from splitstage.splitter import UserError
+from splitstage.storage.urls import (
     InvalidURLError,
     bucket_of,
     local_path,
@@ -22,7 +23,6 @@ from splitstage.pipelines.urls import (
     validate_endpoint_url,
     validate_rdzv_endpoint,
 )
-from splitstage.splitter import UserError
 
 FIELD = "cache.url"
 

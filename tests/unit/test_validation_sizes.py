@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitstage.cli import main
-from splitstage.pipelines.config import ConfigError, config_from_dict
+from splitstage.config.job import ConfigError, config_from_dict
 
 
 def sizes_of(sizes):

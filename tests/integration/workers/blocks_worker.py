@@ -19,8 +19,11 @@ from torch.distributed.tensor import DTensor
 
 from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
 from splitstage.tasks.stage2.parallelize import parallelize
-from splitstage.tasks.stage2.weights import materialize_and_load
-from splitstage.tasks.stage2.weights_file import WeightsError, WeightsFileNotFoundError
+from splitstage.tasks.stage2.pretrained_weights import (
+    WeightsError,
+    WeightsFileNotFoundError,
+    materialize_and_load,
+)
 
 BATCH = 8
 LAYOUTS_BY_WORLD = {  # world size -> {mode: (dp_shard, tp)}

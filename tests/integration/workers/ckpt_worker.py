@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
 from splitstage.tasks.stage2.parallelize import parallelize
-from splitstage.tasks.stage2.weights import materialize_and_load
+from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 
 
 def parse() -> argparse.Namespace:

@@ -18,14 +18,14 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from splitstage.pipelines.config import config_from_dict
-from splitstage.pipelines.data import load_metadata
+from splitstage.config.job import config_from_dict
+from splitstage.data.dataset import load_metadata
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
-from splitstage.tasks.plan import make_plan
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.distributed import init_distributed
 from splitstage.tasks.stage2.models import build_stage2_models
 from splitstage.tasks.stage2.validation import Validator
-from splitstage.tasks.validation_prompts import encode
 
 STEPS = 3
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from splitstage.pipelines.pipeline_config import PipelineConfig, setting
+from splitstage.config.pipeline_group import PipelineConfig, setting
 
 
 class TinyPipelineConfig(PipelineConfig):

@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from splitstage.pipelines.data import Row, decode_image, read_image_bytes
+from splitstage.data.dataset import Row, decode_image, read_image_bytes
 from splitstage.pipelines.family import Family, TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline, Unit

@@ -1,0 +1,100 @@
+"""The `[pipeline]` group of the diffsynth family (torch-free: diffsynth is imported to run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import model_validator
+
+from splitstage.config.base_group import Group
+from splitstage.config.pipeline_group import PipelineConfig, setting
+
+# Pipeline class -> (its diffsynth module, DiffSynth's usual LoRA targets, training inputs its
+# example train.py sets besides the data: the constants of `get_pipeline_inputs`).
+PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
+    "ZImagePipeline": (
+        "diffsynth.pipelines.z_image",
+        ("to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"),
+        {"embedded_guidance": 1.0},
+    ),
+    "WanVideoPipeline": (
+        "diffsynth.pipelines.wan_video",
+        ("q", "k", "v", "o", "ffn.0", "ffn.2"),
+        {"tiled": False, "cfg_merge": False, "vace_scale": 1},
+    ),
+}
+INSTALL_HINT = (
+    "pip install 'splitstage[diffsynth]' (on a GPU also the torchvision build matching your torch; "
+    "see README 'DiffSynth-Studio pipelines')"
+)
+
+
+class RegisteredModel(Group):
+    """A model file DiffSynth does not know yet, added to its MODEL_CONFIGS while loading."""
+
+    path: str
+    model_name: str
+    model_class: str
+    extra_kwargs: dict[str, Any] = {}
+
+
+class DiffSynthPipelineConfig(PipelineConfig):
+    """A DiffSynth-Studio pipeline class built from local model files, trained split."""
+
+    family_class: ClassVar[str] = "splitstage.pipelines.diffsynth.family:DiffSynthFamily"
+    models_in_config: ClassVar[bool] = False  # models are the pipeline's slots (dit, vae, ...)
+    name: Literal["diffsynth"] = "diffsynth"
+
+    pipeline_class: str = setting(
+        ...,
+        stage1=True,
+        description=f"DiffSynth pipeline class: {', '.join(PIPELINES)}.",
+    )
+    model_paths: list[str] = setting(
+        ...,
+        stage1=False,  # the files' content enters the cache key, not where they are
+        min_length=1,
+        description="Local model files (safetensors) for `from_pretrained(model_configs=...)`.",
+    )
+    tokenizer_path: str = setting(
+        ..., stage1=False, description="Local tokenizer folder (`tokenizer_config`)."
+    )
+    register_models: list[RegisteredModel] = setting(
+        [],
+        stage1=False,
+        description="Model files DiffSynth's MODEL_CONFIGS lacks (their key hash is computed).",
+    )
+    torch_dtype: Literal["bf16", "fp32"] = setting(
+        "bf16", stage1=True, description="The pipeline's torch_dtype (DiffSynth trains in bf16)."
+    )
+    height: int = setting(512, stage1=True, ge=16, description="Images are resized to this.")
+    width: int = setting(512, stage1=True, ge=16, description="Images are resized to this.")
+    num_frames: int = setting(
+        1, stage1=True, ge=1, description="Video pipelines: frames per sample (4k+1)."
+    )
+    max_timestep_boundary: float = setting(
+        1.0, stage1=False, gt=0, le=1, description="FlowMatchSFTLoss: highest timestep share."
+    )
+    min_timestep_boundary: float = setting(
+        0.0, stage1=False, ge=0, lt=1, description="FlowMatchSFTLoss: lowest timestep share."
+    )
+
+    @model_validator(mode="after")
+    def _known_class_and_files(self) -> DiffSynthPipelineConfig:
+        if self.pipeline_class not in PIPELINES:
+            raise ValueError(
+                f"pipeline_class: {self.pipeline_class!r} is not a DiffSynth pipeline splitstage "
+                f"runs; use one of {', '.join(PIPELINES)}"
+            )
+        for index, path in enumerate(self.model_paths):
+            if not Path(path).is_file():
+                raise ValueError(f"model_paths[{index}]: file {path} does not exist; fix the path")
+        if not Path(self.tokenizer_path).is_dir():
+            raise ValueError(
+                f"tokenizer_path: folder {self.tokenizer_path} does not exist; give the local "
+                "tokenizer folder (nothing is downloaded)"
+            )
+        if self.min_timestep_boundary >= self.max_timestep_boundary:
+            raise ValueError("min_timestep_boundary must be below max_timestep_boundary")
+        return self

@@ -1,0 +1,286 @@
+"""The diffsynth family: a DiffSynth-Studio pipeline object, executed on the seam.
+
+Its units are the pipeline's own `.units`, run through DiffSynth's `pipe.unit_runner` (see
+`pipeline_units.py`); the plan is `adapter.pipeline_from_diffsynth` of the same object, so it
+equals DiffSynth's `split_pipeline_units`. The training loss is DiffSynth's `FlowMatchSFTLoss`
+called on the pipeline with the in-iteration models of this step, its global-RNG draws (timestep,
+noise) seeded from the step's generator. DiffSynth trains one sample per step: train.batch_size
+must be 1 (use train.gradient_accumulation_steps for more samples per update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitstage.config.job import ConfigError
+from splitstage.data.dataset import Row, decode_image, read_image_bytes
+from splitstage.data.images import center_crop_resize
+from splitstage.pipelines.diffsynth.adapter import pipeline_from_diffsynth
+from splitstage.pipelines.diffsynth.config import PIPELINES
+from splitstage.pipelines.diffsynth.loader import (
+    DTYPES,
+    class_path,
+    diffsynth_module,
+    load_pipeline,
+    model_entry,
+    skeleton,
+)
+from splitstage.pipelines.diffsynth.pipeline_units import DiffSynthUnits, loss_inputs
+from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
+from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
+from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.splitter import Pipeline
+
+BASE_INPUTS = {
+    "cfg_scale": 1,
+    "rand_device": "cpu",
+    "use_gradient_checkpointing": False,
+    "use_gradient_checkpointing_offload": False,
+}
+
+
+def call_through(module: nn.Module, fn) -> Any:
+    """Run `fn` as `module`'s forward, so DDP / FSDP hooks on the root fire (model_fn calls
+    the denoiser's submodules directly)."""
+    module.forward = fn
+    try:
+        return module()
+    finally:
+        del module.forward
+
+
+class DiffSynthFamily(Family):
+    """A DiffSynth pipeline class built from local model files; its units, model_fn and loss."""
+
+    name = "diffsynth"
+    default_lora_targets = ()
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.group = config.pipeline
+        self.skeleton = skeleton(self.group)
+        names = {n for u in self.skeleton.units for n in _names(u.onload_model_names)}
+        self.in_iteration = tuple(self.skeleton.in_iteration_models)
+        self.model_names = tuple(sorted(names | set(self.in_iteration)))
+        self.denoiser = self.in_iteration[0]
+        self.units_of = DiffSynthUnits(
+            self.skeleton.units,
+            self.pipeline_spec().units,
+            self.constants(),
+            lambda: self.pipe,
+            self.group.pipeline_class,
+        )
+
+    # -- the pipeline object ---------------------------------------------------------------------
+    @cached_property
+    def pipe(self) -> Any:
+        """The pipeline with its models loaded (from_pretrained on the local files)."""
+        return load_pipeline(self.group, torch.device("cpu"))
+
+    @cached_property
+    def entries(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Pipeline slot -> (file, its MODEL_CONFIGS entry), matched by the loaded class."""
+        found: dict[str, tuple[str, dict[str, Any]]] = {}
+        for path in self.group.model_paths:
+            entry = model_entry(path, self.group.register_models)
+            for slot in self.model_names:
+                model = getattr(self.pipe, slot, None)
+                known = model is not None and class_path(type(model)) == entry["model_class"]
+                if slot not in found and known:
+                    found[slot] = (path, entry)
+        return found
+
+    def constants(self) -> dict[str, Any]:
+        """The inputs DiffSynth's train.py sets besides the data (cfg_scale 1, ...)."""
+        settings = {
+            "max_timestep_boundary": self.group.max_timestep_boundary,
+            "min_timestep_boundary": self.group.min_timestep_boundary,
+        }
+        return {**BASE_INPUTS, **PIPELINES[self.group.pipeline_class][2], **settings}
+
+    # -- units and the splitter's view -----------------------------------------------------------
+    def units(self) -> list[RunnableUnit]:
+        """The pipeline's units, each run through DiffSynth's unit runner."""
+        return self.units_of.runnable()
+
+    def pipeline_spec(self) -> Pipeline:
+        """What the splitter sees: the pipeline object's declarations (diffsynth/adapter.py)."""
+        return pipeline_from_diffsynth(self.skeleton)
+
+    @cached_property
+    def unset_params(self) -> tuple[str, ...]:
+        """Params units or model_fn read that no unit writes (DiffSynth reads them as None)."""
+        spec = self.pipeline_spec()
+        read = {p for unit in spec.units for p in unit.inputs} | set(spec.model_fn_params)
+        written = {p for unit in spec.units for p in unit.output_params}
+        return tuple(sorted(read - written))
+
+    # -- data ------------------------------------------------------------------------------------
+    def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
+        """The inputs DiffSynth's train.py builds from a row: the image (a video of num_frames
+        copies for video pipelines) at height x width, the prompt, and the training constants."""
+        group = self.group
+        image = decode_image(read_image_bytes(row, base_path), row, base_path)
+        image = center_crop_resize(image, group.height, group.width)
+        sample = dict.fromkeys(self.unset_params)  # read, never written: None, as `.get` gives
+        sample |= {**self.constants(), "prompt": row.prompt, "negative_prompt": ""}
+        sample |= {"height": group.height, "width": group.width}
+        if "video" in group.pipeline_class.lower():
+            sample |= {"input_video": [image] * group.num_frames, "num_frames": group.num_frames}
+        else:
+            sample["input_image"] = image
+        return sample
+
+    # -- models ----------------------------------------------------------------------------------
+    def check_models(self, names: Sequence[str]) -> None:
+        """Known slots, one sample per step, and trained models loadable from their file."""
+        train = self.config.train
+        if train.batch_size != 1:
+            raise ConfigError(
+                f"train.batch_size={train.batch_size}: DiffSynth pipelines train one sample per "
+                "step; set train.batch_size = 1 and train.gradient_accumulation_steps = "
+                f"{train.batch_size} for {train.batch_size} samples per update"
+            )
+        if train.parallelism in ("tp", "fsdp+tp", "pp"):
+            raise ConfigError(
+                f"train.parallelism={train.parallelism!r}: the diffsynth family trains with "
+                "'ddp' or 'fsdp'"
+            )
+        for name in names:
+            self.require_known(name)
+        for name in self.config.trainable.models():
+            self.require_known(name)
+
+    def require_loaded(self, name: str) -> tuple[str, dict[str, Any]]:
+        """The file and MODEL_CONFIGS entry of a loaded slot, or one line naming what to add."""
+        self.require_known(name)
+        if name not in self.entries:
+            raise ConfigError(
+                f"models.{name}: none of pipeline.model_paths loads the {self.group.pipeline_class}"
+                f" '{name}'; add its file to pipeline.model_paths"
+            )
+        return self.entries[name]
+
+    def fingerprint_source(self, name: str) -> dict[str, Any]:
+        """The pipeline class and the content of every model file and tokenizer file."""
+        tokenizer = sorted(
+            str(p) for p in Path(self.group.tokenizer_path).rglob("*") if p.is_file()
+        )
+        return {
+            "pipeline_class": self.group.pipeline_class,
+            "torch_dtype": self.group.torch_dtype,
+            "files": [*self.group.model_paths, *tokenizer],
+        }
+
+    def weights_file(self, name: str) -> tuple[str, str] | None:
+        """A trained model's own file (read slice by slice after sharding); frozen ones are
+        the loaded pipeline's (None)."""
+        if name not in self.config.trainable.models():
+            return None
+        path, entry = self.require_loaded(name)
+        if "state_dict_converter" in entry:
+            raise ConfigError(
+                f"models.{name}: {path} needs DiffSynth's {entry['state_dict_converter']} to "
+                "load; train from a file in DiffSynth's own key layout"
+            )
+        return path, ""
+
+    def build_model(self, name: str, device: torch.device, *, meta: bool = False) -> nn.Module:
+        """A loaded frozen slot of the pipeline, or the slot's class with empty weights."""
+        if not meta:
+            self.require_known(name)
+            self.pipe.device = device
+            model = getattr(self.pipe, name, None)
+            if model is None:  # a slot no file fills: its units see None, as in DiffSynth
+                absent = nn.Module()
+                absent.diffsynth_absent = True
+                return absent
+            return model.to(device).eval().requires_grad_(False)
+        path, entry = self.require_loaded(name)
+        from accelerate import init_empty_weights
+
+        loader = diffsynth_module("diffsynth.models.model_loader").ModelPool()
+        cls = loader.import_model_class(entry["model_class"])
+        with init_empty_weights():  # parameters on meta; buffers and tables stay real
+            model = cls(**entry.get("extra_kwargs", {}))
+        model = model.to(DTYPES[self.group.torch_dtype])  # as DiffSynth's loader: all to dtype
+        # Non-persistent buffers (RoPE tables...) are in no file: kept here, put back after load.
+        keep_buffers(model)
+        return model
+
+    def init_buffers(self, model: nn.Module) -> None:
+        """The non-persistent buffers as the class built them (to_empty left them garbage)."""
+        restore_buffers(model, f"a {self.group.pipeline_class} model")
+
+    # -- the training step -----------------------------------------------------------------------
+    def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
+        """Not split into parts: DiffSynth's loss draws and calls model_fn itself."""
+        raise ConfigError("the diffsynth family trains through training_loss (no 'pp')")
+
+    def training_loss(self, ctx: StepContext, inputs: dict[str, Any]) -> torch.Tensor:
+        """DiffSynth's FlowMatchSFTLoss on this sample, with this step's in-iteration models."""
+        samples = loss_inputs(self.units_of.session, ctx, inputs, self.units_of.lists)
+        if len(samples) != 1:
+            raise ConfigError(f"train.batch_size: got {len(samples)} samples; set 1")
+        pipe = self.pipe
+        pipe.device = ctx.device
+        values = {k: _to(v, ctx.device, pipe.torch_dtype) for k, v in samples[0].items()}
+        for slot in self.in_iteration:
+            model = ctx.models.get(slot)
+            if model is not None and not getattr(model, "diffsynth_absent", False):
+                setattr(pipe, slot, model)
+        loss_fn = diffsynth_module("diffsynth.diffusion.loss").FlowMatchSFTLoss
+        seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator))
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        # The pipeline's torch_dtype decides precision, as in DiffSynth: no autocast on top.
+        autocast_off = torch.autocast(ctx.device.type, enabled=False)
+        with torch.random.fork_rng(devices=devices), autocast_off:
+            torch.manual_seed(seed)
+            root = ctx.model(self.denoiser, "model_fn")
+            return call_through(root, lambda: loss_fn(pipe, **values))
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def lora_targets(self, name: str) -> list[str]:
+        """The config's targets, else those DiffSynth's examples train for this pipeline."""
+        return list(
+            self.config.trainable.lora_target_modules or PIPELINES[self.group.pipeline_class][1]
+        )
+
+    def export_files(
+        self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
+    ) -> dict[str, tuple[str, bytes]]:
+        """DiffSynth's layout (`pipe.<model>.<param>` minus remove_prefix_in_ckpt); a LoRA's
+        alpha / rank is folded into lora_B, since `pipe.load_lora` fuses B @ A unscaled."""
+        if request.lora and request.alpha != request.rank:
+            scale = request.alpha / request.rank
+            state = {k: v * scale if "lora_B" in k else v for k, v in state.items()}
+        return super().export_files(model_name, state, request)
+
+    def export_metadata(self, model_name: str, lora: bool) -> dict[str, str]:
+        """The pipeline class the weights belong to."""
+        return {"diffsynth_pipeline": self.group.pipeline_class}
+
+
+def _names(value: Any) -> list[str]:
+    """A declared name field as DiffSynth reads it (None: none; a bare string: one name)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _to(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """DiffSynth's transfer_data_to_device: tensors to the device, floating ones to the dtype."""
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, list | tuple):
+        return type(value)(_to(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device, dtype) for k, v in value.items()}
+    return value

@@ -1,0 +1,213 @@
+"""Building diffusers / transformers components from a folder: loaded and frozen, or on meta."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from splitstage.config.job import ConfigError
+from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
+from splitstage.storage.safetensors_io import index_weight_map, is_index_path
+
+LIBRARIES = ("diffusers", "transformers")
+
+
+class Component(Protocol):
+    """What building needs of a component (folder.Component is one; folder checks overrides
+    with `check_fits`, so this module does not import the folder)."""
+
+    name: str
+    library: str
+    class_name: str
+    config_dir: Path
+    weights: Path | None
+
+    @property
+    def source(self) -> str: ...
+
+    def weight_files(self) -> list[Path]: ...
+
+
+def component_class(component: Component) -> type[nn.Module]:
+    """The model class model_index.json names, from diffusers or transformers."""
+    if component.library not in LIBRARIES:
+        raise ConfigError(
+            f"models.{component.name}: model_index.json names library {component.library!r}; "
+            f"only {', '.join(LIBRARIES)} components are built"
+        )
+    module = importlib.import_module(component.library)
+    try:
+        return getattr(module, component.class_name)
+    except AttributeError:
+        raise ConfigError(
+            f"models.{component.name}: {component.library} has no class {component.class_name} "
+            "(model_index.json); upgrade it or fix the folder"
+        ) from None
+
+
+def build_empty(component: Component) -> nn.Module:
+    """The component's architecture with parameters on the meta device (no weights read).
+
+    Buffers are built for real (accelerate's `init_empty_weights`), and the non-persistent ones
+    (CLIP's position ids, SD3's positional table, ...) are kept aside: no weights file holds
+    them, and `to_empty` turns them into garbage, so `init_buffers` puts them back.
+    """
+    from accelerate import init_empty_weights
+
+    cls = component_class(component)
+    try:
+        with init_empty_weights(include_buffers=False):
+            if component.library == "diffusers":
+                model = cls.from_config(cls.load_config(component.config_dir))
+            else:
+                model = cls(cls.config_class.from_pretrained(component.config_dir))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as error:
+        raise ConfigError(
+            f"{component.source}: cannot build {component.class_name} from "
+            f"{component.config_dir / 'config.json'} ({_first_line(error)}); fix that config.json "
+            "or use the one diffusers saved with the weights"
+        ) from None
+    return keep_buffers(model)
+
+
+def read_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a .safetensors file or of the shards a .safetensors.index.json lists."""
+    if is_index_path(str(path)):
+        try:
+            weight_map = index_weight_map(path.read_bytes())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{path} {error}") from None
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(read_state(path.parent / shard))
+        return state
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as error:
+        reason = _first_line(error)
+        raise ConfigError(f"{path}: not a readable safetensors file ({reason})") from None
+
+
+def file_shapes(component: Component) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the component's weights files, from their headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in component.weight_files():
+        if is_index_path(str(path)):
+            continue
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except (OSError, SafetensorError) as error:
+            raise ConfigError(
+                f"{component.source}: {path} is not a readable safetensors file "
+                f"({_first_line(error)}); give the weights as diffusers saves them"
+            ) from None
+    return shapes
+
+
+def check_fits(component: Component) -> None:
+    """The weights files hold exactly the architecture's tensors, shapes included (headers only:
+    an override that does not fit is refused before anything is launched)."""
+    model = build_empty(component)
+    shapes = file_shapes(component)
+    _refuse_misfit(component, model, shapes)
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Put back the non-persistent buffers `build_empty` kept; re-tie T5's embeddings."""
+    restore_buffers(model, type(model).__name__)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie) and not hasattr(model, "register_to_config"):  # transformers models only
+        tie()
+
+
+def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The component built on meta, loaded from its weights (exactly: strict keys), frozen."""
+    model = build_empty(component)
+    state = read_state(component.weights)
+    _refuse_misfit(component, model, {key: tuple(t.shape) for key, t in state.items()})
+    model.load_state_dict(state, strict=False, assign=True)
+    init_buffers(model)
+    model.to(device)
+    if dtype != torch.float32:  # diffusers warns on any .to(dtype); the files are usually fp32
+        model.to(dtype)
+    _check_materialized(model, component)
+    return model.eval().requires_grad_(False)
+
+
+def _refuse_misfit(
+    component: Component, model: nn.Module, shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """One line when the file's keys or shapes are not the architecture's."""
+    missing, unexpected = _match_keys(model, shapes)
+    expected = model.state_dict()
+    wrong = [
+        f"{k} {shapes[k]} vs {tuple(expected[k].shape)}"
+        for k in sorted(set(shapes) & set(expected))
+        if shapes[k] != tuple(expected[k].shape)
+    ]
+    found = [
+        f"{what} {_few(keys)}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+        if keys
+    ]
+    if found:
+        raise ConfigError(
+            f"{component.source}: {component.weights} does not fit {component.class_name} "
+            f"({'; '.join(found)}); it must be a diffusers-layout state dict of this architecture "
+            "(original-layout checkpoints need converting)"
+        )
+
+
+def _match_keys(model: nn.Module, state: dict[str, object]) -> tuple[list[str], list[str]]:
+    """Model keys the file lacks (tied copies excused) and file keys the model lacks."""
+    expected = set(model.state_dict())
+    tied = _tied_keys(model)
+    missing = sorted(k for k in expected - set(state) if k not in tied)
+    unexpected = sorted(set(state) - expected)
+    return missing, unexpected
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """Parameter names sharing storage with another name (e.g. T5's embed_tokens = shared)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        else:
+            seen[id(param)] = name
+    declared = getattr(model, "_tied_weights_keys", None) or ()
+    if isinstance(declared, dict):
+        declared = list(declared)
+    return tied | {k for k in declared if isinstance(k, str)}
+
+
+def _check_materialized(model: nn.Module, component: Component) -> None:
+    """No tensor is still on meta after loading (a tied key the file lacked, left empty)."""
+    left = [name for name, t in model.state_dict().items() if t.is_meta]
+    if left:
+        raise ConfigError(
+            f"{component.source}: {component.weights} lacks {_few(left)} of "
+            f"{component.class_name}; give the complete weights"
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's message, its first line only (messages are one line)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _few(keys: list[str], limit: int = 3) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more

@@ -1,0 +1,174 @@
+"""The `[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux (torch-free)."""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar, Literal
+
+from pydantic import model_validator
+
+from splitstage.config.pipeline_group import PipelineConfig, setting
+
+FAMILY_MODULE = "splitstage.pipelines.diffusers"
+FlowWeighting = Literal["none", "logit_normal", "uniform", "mode", "sigma_sqrt", "cosmap"]
+TRAINED_PREDICTIONS = ("epsilon", "v_prediction")  # the DDPM targets UNet training supports
+
+
+class DiffusersPipelineConfig(PipelineConfig):
+    """Settings every diffusers family shares: the folder, the image size, prompts, latents."""
+
+    # Latents are 1/8 of the pixels; the transformer families patch 2x2 on top of that.
+    pixel_multiple: ClassVar[int] = 8
+    models_in_config: ClassVar[bool] = False  # components come from `pretrained`
+
+    pretrained: str = setting(
+        ...,
+        stage1=False,  # the weights' content enters the cache key, not where they are
+        min_length=1,
+        description="A local diffusers folder (model_index.json + component subfolders).",
+    )
+    resolution: int = setting(
+        512, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    caption_dropout: float = setting(
+        0.0,
+        stage1=False,
+        ge=0.0,
+        le=1.0,
+        description="Per-step chance to train on the empty prompt's embeddings instead.",
+    )
+    precision: Literal["bf16", "fp16", "fp32"] = setting(
+        "bf16",
+        stage1=True,
+        description="dtype the frozen components (text encoders, VAE) compute and the cache "
+        "stores their outputs in, on every device (part of the cache key, so CPU and GPU "
+        "workers fill one cache alike); the trained model follows train.mixed_precision.",
+    )
+    vae_latents: Literal["sample", "mean"] = setting(
+        "sample",
+        stage1=True,
+        description="'sample': cache the VAE's latent distribution and draw a latent every step "
+        "(as unsplit training does); 'mean': cache its mean only (half the latent storage).",
+    )
+
+    @model_validator(mode="after")
+    def _resolution_multiple(self) -> DiffusersPipelineConfig:
+        if self.resolution % self.pixel_multiple:
+            raise ValueError(
+                f"resolution: {self.resolution} is not a multiple of {self.pixel_multiple} "
+                f"(the {self.name} VAE and denoiser need it); use "
+                f"{self.resolution // self.pixel_multiple * self.pixel_multiple}"
+            )
+        return self
+
+
+class UNetRecipe(DiffusersPipelineConfig):
+    """DDPM training of a UNet (diffusers' train_text_to_image recipe)."""
+
+    max_prompt_length: int = setting(
+        77, stage1=True, ge=1, le=77, description="CLIP prompt tokens (77 at most)."
+    )
+    prediction_type: Literal["scheduler", "epsilon", "v_prediction"] = setting(
+        "scheduler",
+        stage1=False,
+        description="Training target; 'scheduler': the scheduler config's prediction_type.",
+    )
+    min_snr_gamma: float | None = setting(
+        None, stage1=False, gt=0, description="Min-SNR loss weighting gamma (5.0 is usual)."
+    )
+    noise_offset: float = setting(
+        0.0, stage1=False, ge=0.0, le=1.0, description="Per-channel noise offset (e.g. 0.05)."
+    )
+
+    @model_validator(mode="after")
+    def _scheduler_prediction(self) -> UNetRecipe:
+        """prediction_type='scheduler' takes the folder's; refuse one training cannot use now,
+        not in the training processes. An unreadable folder is left to the folder's checks."""
+        if self.prediction_type != "scheduler":
+            return self
+        from splitstage.config.base_group import ConfigError
+        from splitstage.pipelines.diffusers.folder import resolve_pretrained
+
+        try:
+            path = resolve_pretrained(self.pretrained) / "scheduler" / "scheduler_config.json"
+            chosen = json.loads(path.read_text()).get("prediction_type", "epsilon")
+        except (ConfigError, OSError, ValueError, AttributeError):
+            return self
+        if chosen not in TRAINED_PREDICTIONS:
+            raise ValueError(
+                f"prediction_type: 'scheduler' takes {path}'s prediction_type {chosen!r}, which "
+                "training does not support; set pipeline.prediction_type = 'epsilon' or "
+                "'v_prediction' (the one the model was trained with)"
+            )
+        return self
+
+
+class FlowRecipe(DiffusersPipelineConfig):
+    """Flow-matching training of a transformer (diffusers' SD3 / FLUX DreamBooth recipes)."""
+
+    pixel_multiple: ClassVar[int] = 16
+
+    max_prompt_length: int = setting(
+        256, stage1=True, ge=1, le=512, description="T5 prompt tokens (CLIP always takes 77)."
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "logit_normal",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names).",
+    )
+    logit_mean: float = setting(0.0, stage1=False, description="logit_normal density mean.")
+    logit_std: float = setting(1.0, stage1=False, gt=0, description="logit_normal density std.")
+    mode_scale: float = setting(1.29, stage1=False, description="'mode' density scale.")
+
+
+class SDPipelineConfig(UNetRecipe):
+    """Stable Diffusion 1.x / 2.x: CLIP text encoder, UNet, DDPM (epsilon or v-prediction)."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.sd:SDFamily"
+    name: Literal["sd"] = "sd"
+
+
+class SDXLPipelineConfig(UNetRecipe):
+    """Stable Diffusion XL: two CLIP encoders, the pooled embedding and size/crop time ids."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.sdxl:SDXLFamily"
+    name: Literal["sdxl"] = "sdxl"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+
+
+class SD3PipelineConfig(FlowRecipe):
+    """Stable Diffusion 3 / 3.5: CLIP-L, CLIP-G and (optionally) T5; MMDiT; flow matching."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.sd3:SD3Family"
+    name: Literal["sd3"] = "sd3"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    use_t5: bool = setting(
+        True,
+        stage1=True,
+        description="Encode prompts with T5 too; false: zeros in its place (as SD3 allows).",
+    )
+
+
+class FluxPipelineConfig(FlowRecipe):
+    """FLUX.1: CLIP pooled + T5 prompts, packed 2x2 latents, guidance embedding, flow matching."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.flux:FluxFamily"
+    name: Literal["flux"] = "flux"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    max_prompt_length: int = setting(
+        512, stage1=True, ge=1, le=512, description="T5 prompt tokens (CLIP always takes 77)."
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "none",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names).",
+    )
+    guidance_scale: float = setting(
+        3.5, stage1=False, ge=0.0, description="Guidance the model is told (guidance-distilled)."
+    )

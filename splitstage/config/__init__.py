@@ -1,0 +1,1 @@
+"""The job config: one TOML file validated by typed groups (torch-free)."""

@@ -1,0 +1,45 @@
+"""`[data.buckets]`: the aspect-ratio bucket settings (torch-free); `data.buckets` sizes them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from splitstage.config.base_group import Group
+
+TAILS = ("drop", "repeat")
+
+
+class BucketConfig(Group):
+    """`[data.buckets]`: keep aspect ratios by training each image at its nearest bucket size."""
+
+    enabled: bool = Field(False, description="Off: every image is center-cropped to a square.")
+    area: int | None = Field(
+        None, ge=64, description="Target pixels per image; default: the family's resolution^2."
+    )
+    step: int = Field(64, ge=8, le=1024, description="Bucket sides are multiples of this.")
+    min_side: int | None = Field(None, ge=8, description="Smallest side; default: step.")
+    max_side: int | None = Field(None, ge=8, description="Largest side; default: 4 x sqrt(area).")
+    max_aspect: float = Field(4.0, ge=1.0, le=16.0, description="Longest / shortest side bound.")
+    tail: Literal["drop", "repeat"] = Field(
+        "drop",
+        description="Stage 2: a bucket's last partial global batch is dropped this epoch "
+        "(different samples each epoch) or filled by repeating that bucket's first samples.",
+    )
+
+    @model_validator(mode="after")
+    def _sides(self) -> BucketConfig:
+        if self.min_side is not None and self.min_side % self.step:
+            raise ValueError(f"min_side {self.min_side} is not a multiple of step {self.step}")
+        if self.max_side is not None and self.max_side % self.step:
+            raise ValueError(f"max_side {self.max_side} is not a multiple of step {self.step}")
+        if self.min_side and self.max_side and self.min_side > self.max_side:
+            raise ValueError(f"min_side {self.min_side} is larger than max_side {self.max_side}")
+        return self
+
+    def stage1_settings(self) -> dict | None:
+        """What the cache key takes (None when buckets are off, so square caches keep keys)."""
+        if not self.enabled:
+            return None
+        return self.model_dump(exclude={"enabled", "tail"})

@@ -1,0 +1,334 @@
+"""The job config: one TOML file validated by typed groups; also the Prefect flows' parameters.
+
+The `[pipeline]` group lives in `pipeline_config`, the error and the group base in `config_base`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from splitstage.config.base_group import ConfigError, Group
+from splitstage.config.bucket_settings import BucketConfig
+from splitstage.config.monitoring import TrackingConfig, ValidationConfig
+from splitstage.config.pipeline_group import (
+    AnyPipelineConfig,
+    _default_pipeline,
+)
+from splitstage.storage.credentials import check_block_name
+from splitstage.storage.options import check_storage_options
+from splitstage.storage.urls import (
+    local_path,
+    normalize_url,
+    scheme_of,
+    validate_rdzv_endpoint,
+)
+
+
+def storage_url(cls: type, value: str) -> str:
+    """A config validator: the storage URL in normal form (see `storage.urls`)."""
+    return normalize_url(value, None)
+
+
+def _storage_options(cls: type, value: dict[str, Any]) -> dict[str, Any]:
+    """A config validator: storage options without secrets (`check_storage_options`)."""
+    return check_storage_options(value)
+
+
+def _credentials_block(cls: type, value: str | None) -> str | None:
+    """A config validator: a Prefect block name, or None."""
+    return None if value is None else check_block_name(value)
+
+
+class JobConfig(Group):
+    """Identity and reproducibility of the job."""
+
+    name: str = Field(
+        "splitstage-job",
+        min_length=1,
+        max_length=200,
+        description="Job name: names runs, outputs and logs (one path segment).",
+    )
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seed for data order, noise, timesteps and init."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_segment(cls, value: str) -> str:
+        return check_path_segment(value)
+
+
+def check_path_segment(value: str) -> str:
+    """A name used as one folder name under an output URL: it may not escape or hide."""
+    bad = sorted({c for c in value if c in "/\\" or ord(c) < 32 or ord(c) == 127})
+    if bad or value.strip() != value or value in (".", "..") or value.startswith((".", "-")):
+        raise ValueError(
+            f"{value!r} cannot name one folder under output.url: no '/' or '\\', no control "
+            "characters or surrounding spaces, no leading '.' or '-'; e.g. 'sdxl-lora-v2'"
+        )
+    return value
+
+
+class ModelConfig(Group):
+    """Where one model's weights come from: a file, or a builder known to the pipeline."""
+
+    weights: str | None = Field(None, description="safetensors or torch.save state-dict file.")
+    builder: str | None = Field(
+        None, description="Built-in source instead of a file, e.g. 'minilm' or 'tiny'."
+    )
+    key_prefix: str = Field("", description="Prefix to strip from the file's keys.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.weights is None) == (self.builder is None):
+            raise ValueError("give exactly one of 'weights' (a file) or 'builder'")
+        return self
+
+
+class TrainableConfig(Group):
+    """Which models get gradients: trained in full, or through LoRA adapters."""
+
+    full: list[str] = Field(default_factory=list, description="Models trained in full.")
+    lora_base_model: str | None = Field(None, description="Model to train with LoRA.")
+    lora_target_modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Module names LoRA adapts; default: the family's usual targets.",
+    )
+    lora_rank: int = Field(8, ge=1, le=1024)
+    lora_alpha: float | None = Field(
+        None, gt=0, description="LoRA scale numerator (scale = alpha / rank); default: the rank."
+    )
+
+    @model_validator(mode="after")
+    def _one_way_per_model(self) -> TrainableConfig:
+        duplicates = sorted({n for n in self.full if self.full.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"full lists {', '.join(duplicates)} more than once; list each once")
+        if self.lora_base_model and self.lora_base_model in self.full:
+            raise ValueError(
+                f"'{self.lora_base_model}' is both in full and the lora_base_model: train it in "
+                "full (remove lora_base_model) or with LoRA (remove it from full)"
+            )
+        if self.lora_target_modules is not None and not self.lora_base_model:
+            raise ValueError(
+                "lora_target_modules is set but lora_base_model is not: set lora_base_model, "
+                "or remove lora_target_modules"
+            )
+        return self
+
+    def models(self) -> list[str]:
+        """Every model that needs gradients (the splitter's trainable set)."""
+        names = list(self.full)
+        if self.lora_base_model and self.lora_base_model not in names:
+            names.append(self.lora_base_model)
+        return names
+
+
+class DataConfig(Group):
+    """A data set in DiffSynth-Studio's format: base folder or URL plus metadata (csv, jsonl,
+    parquet); credentials come from the environment or a Prefect block, as the cache's."""
+
+    base_path: str = Field(
+        "data/digits", description="Folder or fsspec URL the image paths are relative to."
+    )
+    metadata_path: str | None = Field(
+        None, description="Path or URL; defaults to base_path/metadata.csv (.jsonl, .parquet)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options without secrets, e.g. {endpoint_url = 'http://...'}.",
+    )
+    credentials_block: str | None = Field(
+        None, description="Prefect block with the credentials, e.g. 'aws-credentials/my-creds'."
+    )
+    skip_bad_rows: bool = Field(False, description="Skip and count bad rows instead of failing.")
+    limit: int | None = Field(None, ge=1, description="Use only the first N rows.")
+    buckets: BucketConfig = Field(default_factory=BucketConfig, description="Aspect buckets.")
+
+    _options = field_validator("storage_options")(_storage_options)
+    _block = field_validator("credentials_block")(_credentials_block)
+
+    @field_validator("base_path", "metadata_path")
+    @classmethod
+    def _data_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = normalize_url(value, None)
+        if scheme_of(value) == "memory":
+            raise ValueError(
+                f"{value!r}: a memory:// data set lives inside one process; use a folder or "
+                "object storage (s3://bucket/data)"
+            )
+        return local_path(value) if scheme_of(value) == "file" else value
+
+
+class CacheConfig(Group):
+    """Where stage 1 writes and stage 2 reads; credentials come from the environment or a block."""
+
+    url: str = Field("runs/cache", description="Local folder or fsspec URL (s3://bucket/prefix).")
+    shard_samples: int = Field(64, ge=1, le=100_000, description="Samples per shard file.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options without secrets, e.g. {endpoint_url = 'http://...'}.",
+    )
+    credentials_block: str | None = Field(
+        None, description="Prefect block with the credentials, e.g. 'aws-credentials/my-creds'."
+    )
+
+    _url = field_validator("url")(storage_url)
+    _options = field_validator("storage_options")(_storage_options)
+    _block = field_validator("credentials_block")(_credentials_block)
+
+
+class PreprocessConfig(Group):
+    """Stage 1 settings."""
+
+    workers: int = Field(1, ge=1, le=1024, description="Local worker processes (shards).")
+    device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:N'.")
+    batch_size: int = Field(16, ge=1, le=4096)
+
+
+class TrainConfig(Group):
+    """Stage 2 settings."""
+
+    mode: Literal["split", "unsplit"] = Field(
+        "split", description="'split' reads the cache; 'unsplit' runs every unit every step."
+    )
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps.")
+    batch_size: int = Field(8, ge=1, description="Samples per rank per step.")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="'auto': bf16 on GPUs that support it, else fp32."
+    )
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous.")
+    max_restarts: int = Field(0, ge=0)
+    parallelism: Literal["ddp", "fsdp", "tp", "fsdp+tp", "pp"] = "ddp"
+    tp_degree: int = Field(1, ge=1)
+    pp_microbatches: int = Field(2, ge=1)
+    weights_loading: Literal["slices", "broadcast"] = Field(
+        "slices", description="'slices': each rank reads its part; 'broadcast': rank 0 reads."
+    )
+    prefetch: int = Field(2, ge=0, description="Cache batches read ahead.")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_url: str | None = Field(None, description="Defaults to <output.url>/checkpoints.")
+    log_every: int = Field(10, ge=1)
+
+    @field_validator("checkpoint_url")
+    @classmethod
+    def _checkpoint_url(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_url(value, None)
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _rendezvous(cls, value: str | None) -> str | None:
+        return None if value is None else validate_rdzv_endpoint(value, None)
+
+    allow_stale_cache: bool = Field(
+        False,
+        description="Train on the cached samples of the data set even when the cache does not "
+        "hold all of it (images added, edited or deleted since preprocess); default: refuse.",
+    )
+    scratch_dir: str | None = Field(
+        None,
+        description="Local folder for each run's spec, metrics and result; default: the run's "
+        "output folder when output.url is local, else ./runs/train.",
+    )
+
+
+class OutputConfig(Group):
+    """Where trained weights and run records go."""
+
+    url: str = Field("runs/output", description="Local folder or fsspec URL.")
+    remove_prefix_in_ckpt: str = Field("", description="Key prefix to strip in exported weights.")
+
+    _url = field_validator("url")(storage_url)
+
+
+class SplitstageConfig(Group):
+    """A whole job: what to train, on what data, where the cache and outputs live."""
+
+    job: JobConfig = Field(default_factory=JobConfig)
+    pipeline: AnyPipelineConfig = Field(default_factory=_default_pipeline)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    trainable: TrainableConfig = Field(default_factory=TrainableConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _trainable_models_exist(self) -> SplitstageConfig:
+        if not self.pipeline.models_in_config:  # e.g. read from a pretrained folder
+            return self
+        for name in self.trainable.models():
+            if self.models and name not in self.models:
+                known = ", ".join(sorted(self.models))
+                raise ValueError(
+                    f"trainable model '{name}' has no [models.{name}] entry; known: {known}"
+                )
+        return self
+
+
+def _field_path(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """One line per problem: `source: field.path: message`."""
+    lines = []
+    for item in error.errors():
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; remove it or check its spelling"
+        elif item.get("ctx", {}).get("expected"):
+            message = f"{message}"
+        lines.append(f"{source}: {_field_path(item['loc'])}: {message}")
+    return "; ".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> SplitstageConfig:
+    """Validate a config mapping; errors name every bad field."""
+    try:
+        return SplitstageConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source)) from None
+
+
+def load_config(path: str | Path) -> SplitstageConfig:
+    """Read and validate a TOML job config."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config {path}: not UTF-8 text (byte {error.start}); save it as UTF-8 TOML"
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"config {path}: cannot read it ({error.strerror or error})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config {path}: not valid TOML: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path}: TOML nested too deeply to read") from None
+    return config_from_dict(data, str(path))

@@ -1,0 +1,1 @@
+"""Data sets: rows, images, buckets, the data index and its memos."""

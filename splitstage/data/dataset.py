@@ -1,0 +1,377 @@
+"""Image-caption data sets in DiffSynth-Studio's format: a base folder (or any fsspec URL) plus a
+metadata file.
+
+The metadata file is `metadata.csv` (header row), `metadata.jsonl` (one JSON object a line) or
+`metadata.parquet`, with an `image` column (path relative to the base) and a `prompt` column;
+any other column is kept as a per-sample field. Bad data raises `DataError` naming the file, the
+row as numbered in the file (CSV rows count the header as row 1) and how to fix it. Metadata must
+be UTF-8 (a UTF-8 BOM is fine); bytes that are not, NUL bytes, an empty file, broken CSV quoting
+and repeated columns are file-level errors naming the line; a bad JSONL line (invalid or too
+deeply nested JSON, a repeated key, a line over MAX_LINE_CHARS, 'image'/'prompt' of the wrong
+JSON type) is a row error, so `skip_bad_rows` can skip it (parsers: `data.metadata_files`).
+Images are found present by ONE listing of the data set (`data.source`), not one stat
+per row, and decode as `splitstage.data.images` documents.
+
+A sample key is a content hash of the image file bytes, the prompt and the extra fields: renaming,
+moving or reordering files keeps keys (so the stage-1 cache stays valid); editing an image or a
+caption changes them. Processing choices such as the image size belong to the cache key instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from PIL import Image
+
+from splitstage.data import metadata_files
+from splitstage.data.image_paths import check_image_path, missing_image
+from splitstage.data.images import (
+    DataError,
+    center_crop_resize,
+    check_file_size,
+    image_to_tensor,
+    open_image,
+    to_rgb8,
+)
+from splitstage.data.metadata_files import REQUIRED_COLUMNS, json_kind  # noqa: F401
+from splitstage.data.source import DataSource, Listing, relative_key, source_for
+
+METADATA_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
+SAMPLE_KEY_VERSION = "splitstage-sample-v1"
+MAX_LINE_CHARS = 1 << 20  # a JSONL line longer than this is refused, not parsed
+SizeRule = Callable[[int, int], tuple[int, int]]  # source (height, width) -> target (h, w)
+_KEY_PREFIX = SAMPLE_KEY_VERSION.encode() + b"\0"
+_json_text = json.encoder.encode_basestring  # what json.dumps(str, ensure_ascii=False) gives
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One metadata row: image path (relative to the base folder), prompt and extra fields."""
+
+    line: int  # line number in the file, 1-based (a CSV header is row 1)
+    image: str
+    prompt: str
+    extras: dict[str, Any] = field(default_factory=dict)
+    source: str = "metadata"  # metadata file name, for messages
+
+    @property
+    def where(self) -> str:
+        """'metadata.csv row 3', for error messages."""
+        return f"{self.source} row {self.line}"
+
+
+class Skipped(NamedTuple):
+    """A row left out by load_metadata(skip_bad_rows=True), and why."""
+
+    line: int
+    reason: str
+
+
+@dataclass
+class Scan:
+    """What reading a data set found: its rows, the rows skipped, and the one listing."""
+
+    rows: list[Row]
+    skipped: list[Skipped]
+    listing: Listing
+    source: DataSource
+    rels: list[str] = field(default_factory=list)  # each row's listing key (relative_key)
+    absent: list[str] = field(default_factory=list)  # listing keys of rows skipped as not found
+    metadata: tuple[DataSource, str, Any] | None = None  # (source, name, stat) of the metadata
+    metadata_bytes: bytes = b""  # the metadata file as read
+
+
+def find_metadata(base_path: str | Path | DataSource) -> str:
+    """The base's metadata.csv, metadata.jsonl or metadata.parquet (exactly one must exist)."""
+    source = source_for(base_path)
+    base = source.display("").rstrip("/") if not source.local else source.local_root
+    if source.local and not os.path.isdir(base):
+        raise DataError(f"data set folder {base} does not exist or is not a folder")
+    kinds = {name: source.kind(name) for name in METADATA_NAMES}
+    for name, kind in kinds.items():
+        if kind == "folder":
+            raise DataError(
+                f"{source.display(name)} is a folder, not a file; move it away or rename it"
+            )
+    found = [name for name, kind in kinds.items() if kind == "file"]
+    if not found and (bucket := source.missing_bucket()):
+        raise DataError(
+            f"data.base_path {source.url}: bucket '{bucket}' does not exist; create it or fix "
+            "the bucket name"
+        )
+    if not found:
+        raise DataError(
+            f"no metadata.csv or metadata.jsonl (or metadata.parquet) in {base}; add one with "
+            "'image' and 'prompt' columns or pass metadata_path"
+        )
+    if len(found) > 1:
+        raise DataError(f"both {found[0]} and {found[1]} in {base}; pass metadata_path")
+    return source.display(found[0])
+
+
+def locate_metadata(
+    source: DataSource, metadata_path: str | Path | None = None
+) -> tuple[DataSource, str]:
+    """(source, relative name) of the data set's metadata file, which must be a file."""
+    where = metadata_path if metadata_path is not None else find_metadata(source)
+    meta, rel = source.locate(str(where))
+    kind = meta.kind(rel)
+    if kind == "folder":
+        shown = meta.display(rel)
+        raise DataError(f"metadata file {shown} is a folder; give the .csv or .jsonl file in it")
+    if kind == "missing":
+        bucket = meta.missing_bucket()
+        why = f"its bucket '{bucket}' does not exist" if bucket else "it does not exist"
+        raise DataError(f"metadata file {meta.display(rel)}: {why}; fix data.metadata_path")
+    return meta, rel
+
+
+def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: str) -> Row:
+    """Validate one record (columns, text prompt and path) into a Row; images are checked later."""
+    if isinstance(record, DataError):
+        raise record
+    if None in record:  # csv puts cells beyond the header under None
+        raise DataError(
+            f"{name} row {line}: more cells than header columns; quote cells that hold commas"
+        )
+    jsonl = name.lower().endswith(".jsonl")
+    if jsonl:
+        metadata_files.check_columns(list(record), name, f"row {line}")
+    image, prompt = record.get("image"), record.get("prompt")
+    if image is not None and not isinstance(image, str):
+        raise DataError(f"{name} row {line}: 'image' must be a path string, got {json_kind(image)}")
+    if not image or not image.strip():
+        raise DataError(
+            f"{name} row {line}: empty 'image' field; give the image path relative to {base}"
+        )
+    if prompt is not None and not isinstance(prompt, str):
+        raise DataError(
+            f"{name} row {line}: 'prompt' must be text, got {json_kind(prompt)}; put the caption "
+            "in quotes"
+        )
+    if not prompt or not prompt.strip():
+        raise DataError(f"{name} row {line}: empty 'prompt' for image {image!r}; write a caption")
+    if jsonl:  # JSON escapes such as "\ud800" decode to no character (UTF-8 text cannot hold one)
+        try:
+            json.dumps(dict(record), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise DataError(
+                f"{name} row {line}: text holds an unpaired surrogate escape "
+                f"({exc.object[exc.start]!r}); fix the \\u escape"
+            ) from exc
+    extras = (
+        {k: v for k, v in record.items() if k != "image" and k != "prompt"}
+        if len(record) > 2
+        else {}
+    )
+    return Row(line=line, image=image, prompt=prompt, extras=extras, source=name)
+
+
+def scan_data_set(
+    base_path: str | Path | DataSource,
+    metadata_path: str | Path | None = None,
+    *,
+    skip_bad_rows: bool = False,
+    check_images: bool = False,
+) -> Scan:
+    """Read and validate the metadata rows and list the data set's files once (load_metadata)."""
+    source = source_for(base_path)
+    meta, meta_rel = locate_metadata(source, metadata_path)
+    shown = meta.display(meta_rel)
+    name = meta_rel.rsplit("/", 1)[-1]
+    identity = meta.stat(meta_rel)  # before reading: a later edit can only make it look changed
+    data = meta.read_metadata(meta_rel)
+    records = metadata_files.records(data, name, shown, MAX_LINE_CHARS)
+    scan = scan_records(source, records, name, skip_bad_rows, check_images)
+    if not scan.rows and not scan.skipped:
+        raise DataError(f"metadata file {shown} has no rows; add one row per image")
+    scan.metadata = (meta, meta_rel, identity)
+    scan.metadata_bytes = data
+    return scan
+
+
+def scan_records(
+    source: DataSource,
+    records: metadata_files.Records,
+    name: str,
+    skip_bad_rows: bool,
+    check_images: bool = False,
+) -> Scan:
+    """Check `records` of metadata file `name` into rows and list the folders their images are
+    in (once); bad rows raise or, with `skip_bad_rows`, are skipped with their reason."""
+    base = source.display("").rstrip("/") if not source.local else source.local_root
+    rows: list[Row] = []
+    rels: list[str] = []
+    skipped: list[Skipped] = []
+    first_error: DataError | None = None
+    for line, record in records:
+        try:
+            row = _to_row(line, record, base, name)
+            rel = relative_key(row.image)
+            check_image_path(row.where, row.image, rel, source.local, base)
+        except DataError as exc:
+            if not skip_bad_rows:
+                first_error = exc
+                break
+            skipped.append(Skipped(line, str(exc)))
+            continue
+        rows.append(row)
+        rels.append(rel)
+    listing = source.listing(set(rels))
+    good: list[Row] = []
+    good_rels: list[str] = []
+    absent: list[str] = []
+    files = listing.files
+    for row, rel in zip(rows, rels, strict=True):
+        try:
+            if rel not in files:
+                missing_image(row.where, row.image, source, listing)
+        except DataError as exc:
+            if not skip_bad_rows:
+                raise
+            skipped.append(Skipped(row.line, str(exc)))
+            absent.append(rel)
+            continue
+        try:
+            if check_images:
+                decode_image(read_image_bytes(row, source), row, source)
+        except DataError as exc:
+            if not skip_bad_rows:
+                raise
+            skipped.append(Skipped(row.line, str(exc)))
+            continue
+        good.append(row)
+        good_rels.append(rel)
+    if first_error is not None:
+        raise first_error
+    skipped.sort(key=lambda s: s.line)
+    scan = Scan(rows=good, skipped=skipped, listing=listing, source=source, rels=good_rels)
+    scan.absent = absent
+    return scan
+
+
+def load_metadata(
+    base_path: str | Path | DataSource,
+    metadata_path: str | Path | None = None,
+    *,
+    skip_bad_rows: bool = False,
+    check_images: bool = False,
+) -> list[Row] | tuple[list[Row], list[Skipped]]:
+    """Read and validate the metadata rows of a data set.
+
+    Raises DataError at the first bad row; with skip_bad_rows=True returns (good rows, skipped).
+    check_images=True also decodes every image (slower) so corrupt files are found here rather
+    than in load_sample. File-level problems always raise: missing or repeated columns, bad
+    format, bytes that are not UTF-8 or hold NUL, an empty file, broken CSV quoting.
+    """
+    scan = scan_data_set(
+        base_path, metadata_path, skip_bad_rows=skip_bad_rows, check_images=check_images
+    )
+    return (scan.rows, scan.skipped) if skip_bad_rows else scan.rows
+
+
+def read_image_bytes(row: Row, base_path: str | Path | DataSource) -> bytes:
+    """The image file's bytes; DataError naming the row if it cannot be read or is too big."""
+    source = source_for(base_path)
+    if source.local:
+        path = Path(source.local_root) / row.image
+        try:
+            check_file_size(row.where, path, path.stat().st_size)
+            return path.read_bytes()
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, DataError):
+                raise
+            reason = getattr(exc, "strerror", None) or exc
+            raise DataError(f"{row.where}: cannot read image file {path}: {reason}") from exc
+    shown = source.display(relative_key(row.image))
+    try:
+        data = source.read(relative_key(row.image))
+    except FileNotFoundError:
+        raise DataError(f"{row.where}: cannot read image file {shown}: not found") from None
+    except Exception as exc:
+        raise source.failure(f"read image file ({row.where})", shown, exc) from None
+    check_file_size(row.where, shown, len(data))
+    return data
+
+
+def decode_image(data: bytes, row: Row, base_path: str | Path | DataSource) -> Image.Image:
+    """Decode image bytes to an 8-bit RGB PIL image; DataError naming the row and file if bad.
+
+    The choices of `splitstage.data.images` apply (EXIF orientation, first frame, alpha onto
+    white, 16-bit and float range checks, bomb guard). 16-bit and float images are rounded to 8
+    bits here; load_sample keeps their full precision.
+    """
+    return to_rgb8(open_image(data, row.where, source_for(base_path).display(row.image)))
+
+
+def load_sample(
+    row: Row,
+    base_path: str | Path,
+    size: int | tuple[int, int] | SizeRule = 64,
+    image_bytes: bytes | None = None,
+    *,
+    source_size: bool = False,
+) -> dict[str, Any]:
+    """One sample: image [3,H,W] in [-1,1], prompt, height, width, then the row's extra fields
+    (and `source_size` = [h, w] of the decoded file, for families conditioned on it).
+
+    `size` is a square side, (height, width), or a rule (source h, w) -> (h, w) such as an
+    aspect-ratio bucket's `Buckets.size_for`; the image is scaled to cover it and center-cropped.
+    Pass image_bytes if already read (e.g. for the sample key) to avoid reading the file twice.
+    Extra fields never override image/prompt/height/width. 16-bit and float images are resized
+    and converted in float, never through 8 bits (see `splitstage.data.images`).
+    """
+    data = read_image_bytes(row, base_path) if image_bytes is None else image_bytes
+    img = open_image(data, row.where, source_for(base_path).display(row.image))
+    if callable(size):
+        height, width = size(img.height, img.width)
+    else:
+        height, width = (size, size) if isinstance(size, int) else size
+    sample = {
+        **row.extras,
+        "image": image_to_tensor(center_crop_resize(img, height, width)),
+        "prompt": row.prompt,
+        "height": height,
+        "width": width,
+    }
+    if source_size:
+        sample["source_size"] = [img.height, img.width]
+    return sample
+
+
+def sample_key_of_digest(
+    image_digest: bytes, prompt: str, extras: Mapping[str, Any] | None = None
+) -> str:
+    """Sample key from the sha256 digest of the image bytes (what the hash memo keeps)."""
+    if extras:
+        fields = json.dumps(
+            {"prompt": prompt, "extras": dict(extras)},
+            sort_keys=True,
+            ensure_ascii=False,
+            separators=(",", ":"),
+            default=str,
+        )
+    else:  # the same text json.dumps gives for {"extras": {}, "prompt": prompt}, faster
+        fields = '{"extras":{},"prompt":' + _json_text(prompt) + "}"
+    return hashlib.sha256(_KEY_PREFIX + image_digest + fields.encode("utf-8")).hexdigest()
+
+
+def sample_key(image_bytes: bytes, prompt: str, extras: Mapping[str, Any] | None = None) -> str:
+    """Content hash (sha256 hex) of image bytes, prompt and sorted extra fields; not of paths."""
+    return sample_key_of_digest(hashlib.sha256(image_bytes).digest(), prompt, extras)
+
+
+def row_key(row: Row, base_path: str | Path | DataSource) -> str:
+    """Sample key of one row (reads its image file)."""
+    return sample_key(read_image_bytes(row, base_path), row.prompt, row.extras)
+
+
+def sample_keys(rows: Iterable[Row], base_path: str | Path | DataSource) -> list[str]:
+    """Sample keys of all rows, in order, reading each image file once."""
+    return [row_key(row, base_path) for row in rows]

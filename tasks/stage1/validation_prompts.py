@@ -1,0 +1,108 @@
+"""Validation prompts encoded once in stage 1 and kept beside the cache, for stage-2 sampling.
+
+Stage 2 never loads a text encoder it does not train, so the prompts' embeddings (and their
+negatives') are computed where the encoders are: in preprocess, into
+`<cache.url>/validation-prompts/<key>.safetensors`. The key covers the prompts, the encoders'
+fingerprints and the stage-1 settings; it is not part of the training samples' cache key, so
+changing the prompts never invalidates the cache (a rerun of preprocess encodes only them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from splitstage.config.job import SplitstageConfig
+from splitstage.pipelines.runtime import StepContext
+from splitstage.splitter import UserError
+from splitstage.storage.files import join, open_fs, storage_errors, write_atomic
+from splitstage.tasks.cache.fingerprint import stable_hash
+from splitstage.tasks.device import pick_device
+from splitstage.tasks.job_plan import JobPlan
+
+FOLDER = "validation-prompts"
+Conditioning = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def prompts_key(config: SplitstageConfig, plan: JobPlan) -> str:
+    """What the embeddings depend on: prompts, negatives, encoders, units and settings."""
+    family = plan.family
+    return stable_hash(
+        {
+            "pipeline": plan.pipeline.name,
+            "prompts": config.validation.prompts,
+            "negatives": config.validation.negatives(),
+            "units": [unit.spec.to_dict() for unit in family.prompt_units()],
+            "models": {m: plan.model_fingerprint(m) for m in family.prompt_models()},
+            "settings": family.stage1_settings(),
+        }
+    )[:32]
+
+
+def prompts_path(config: SplitstageConfig, plan: JobPlan) -> tuple[Any, str, str]:
+    """(fs, path, URL) of this job's validation-prompt embeddings file."""
+    cache = config.cache
+    block = cache.credentials_block
+    fs, root = open_fs(cache.url, cache.storage_options, field="cache.url", credentials_block=block)
+    name = f"{prompts_key(config, plan)}.safetensors"
+    return fs, join(root, FOLDER, name), f"{config.cache.url.rstrip('/')}/{FOLDER}/{name}"
+
+
+def encode(plan: JobPlan, models: dict, device: torch.device, prompts, negatives) -> Conditioning:
+    """The prompt units' outputs for the prompts and for their negatives."""
+    family = plan.family
+    ctx = StepContext(models=models, device=device, settings=family.settings())
+    with torch.no_grad():
+        return family.prompt_conditioning(ctx, prompts), family.prompt_conditioning(ctx, negatives)
+
+
+def validation_prompts_written(config: SplitstageConfig, plan: JobPlan) -> bool:
+    """Whether nothing is left to encode: validation is off or its prompts' file is there."""
+    if not config.validation.enabled:
+        return True
+    fs, path, url = prompts_path(config, plan)
+    with storage_errors(url, "check", config.cache.storage_options):
+        return fs.exists(path)
+
+
+def write_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> str | None:
+    """Encode the validation prompts into their file unless it is there; its URL (or None)."""
+    if not config.validation.enabled:
+        return None
+    fs, path, url = prompts_path(config, plan)
+    if validation_prompts_written(config, plan):
+        return url
+    device = pick_device(config.preprocess.device)
+    family = plan.family
+    models = {name: family.build_model(name, device) for name in family.prompt_models()}
+    cond, uncond = encode(
+        plan, models, device, config.validation.prompts, config.validation.negatives()
+    )
+    tensors = {f"cond.{k}": v.detach().cpu().contiguous() for k, v in cond.items()}
+    tensors |= {f"uncond.{k}": v.detach().cpu().contiguous() for k, v in uncond.items()}
+    meta = {"prompts": json.dumps(config.validation.prompts)}
+    write_atomic(fs, path, safetensors_save(tensors, metadata=meta), url)
+    return url
+
+
+def read_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> Conditioning | None:
+    """The cached (cond, uncond) embeddings, or None when preprocess has not encoded them."""
+    fs, path, url = prompts_path(config, plan)
+    with storage_errors(url, "read", config.cache.storage_options):
+        if not fs.exists(path):
+            return None
+        data = fs.cat_file(path)
+    try:
+        tensors = safetensors_load(data)
+    except Exception as error:  # noqa: BLE001 - any decode failure means a damaged file
+        raise UserError(
+            f"{url}: the encoded validation prompts are damaged ({error}); delete the file and "
+            "run `splitstage preprocess` again"
+        ) from None
+    cond = {k[5:]: v for k, v in tensors.items() if k.startswith("cond.")}
+    uncond = {k[7:]: v for k, v in tensors.items() if k.startswith("uncond.")}
+    return cond, uncond

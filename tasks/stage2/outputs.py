@@ -1,0 +1,45 @@
+"""Where a job's outputs go: run paths, and the one way to open the output filesystem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from splitstage.config.job import SplitstageConfig
+from splitstage.storage.files import open_fs
+from splitstage.storage.options import name_block
+from splitstage.storage.urls import scheme_of
+
+ERROR_FILE = "error.json"  # in a run folder: a rank's one-line reason for stopping on bad input
+
+
+def output_storage_options(config: SplitstageConfig, url: str) -> dict[str, Any] | None:
+    """Options for an output or checkpoint URL: object storage connects as the cache does, with
+    its endpoint options and, on the cache's object store (same scheme), its credentials block;
+    else credentials come from the environment. Local paths need none.
+
+    The block is only named (`name_block`): its secrets are read where the URL is opened (the
+    launcher, each training rank), so these options may go into the run spec."""
+    scheme = scheme_of(url)
+    if scheme in ("file", "memory"):
+        return None
+    cache = config.cache
+    block = cache.credentials_block if scheme == scheme_of(cache.url) else None
+    options = name_block(cache.storage_options, block, field="cache.credentials_block")
+    return options or None
+
+
+def open_output(config: SplitstageConfig, url: str) -> tuple[Any, str]:
+    """(filesystem, path) of an output URL of this job."""
+    return open_fs(url, output_storage_options(config, url))
+
+
+def run_paths(config: SplitstageConfig, run_id: str, run_root: str | Path = "runs/train") -> dict:
+    """Where a run writes: local run dir (spec, metrics), output URL, checkpoint URL."""
+    output = f"{config.output.url.rstrip('/')}/{run_id}"
+    checkpoints = config.train.checkpoint_url or f"{output}/checkpoints"
+    return {
+        "run_dir": str(Path(run_root) / run_id),
+        "output_url": output,
+        "checkpoint_url": checkpoints,
+    }
