@@ -30,6 +30,21 @@ class JobPlan:
     units: tuple[RunnableUnit, ...]
     split: SplitPlan
 
+    @cached_property
+    def cache(self) -> CacheStore:
+        """This job's cache store, opened once per process (`open_cache`)."""
+        return open_cache(self.config, self)
+
+    def meta_model(self, name: str) -> Any:
+        """Model `name` built once on the meta device (no weights): shapes and module names for
+        every check that needs them, never a second build. Callers must not change it."""
+        built = self.__dict__.setdefault("_meta_models", {})
+        if name not in built:
+            import torch  # the plan itself stays torch-free until a check needs a model
+
+            built[name] = self.family.build_model(name, torch.device("meta"), meta=True)
+        return built[name]
+
     @property
     def v1_units(self) -> list[RunnableUnit]:
         """Units stage 2 runs every step."""

@@ -68,8 +68,10 @@ def write_spec(
     run_dir: Path,
     paths: dict[str, str],
     checks: Preflight | None = None,
+    split: dict[str, Any] | None = None,
 ) -> Path:
-    """The JSON every rank reads (no pickle): config, cache key, where to write, what to train."""
+    """The JSON every rank reads (no pickle): config, cache key, where to write, what to train,
+    and the launcher's split (`split`), which each rank's own plan must equal."""
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_file = None
     if checks is not None and checks.samples is not None:  # compact: 32 bytes a sample key
@@ -86,6 +88,7 @@ def write_spec(
         "checkpoint_storage_options": output_storage_options(config, paths["checkpoint_url"]),
         "settings": checks.settings if checks is not None else None,
         "samples_file": samples_file,
+        "split": split,
     }
     path = run_dir / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -168,7 +171,9 @@ def train(
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as held:
         leases = [] if node_rank else hold_leases(config, paths, cancel, held)
-        spec_path = write_spec(config, run_id, cache_key, run_dir, paths, checks)
+        spec_path = write_spec(
+            config, run_id, cache_key, run_dir, paths, checks, split=plan.split.to_dict()
+        )
         for name in ("metrics.jsonl", "result.json", ERROR_FILE):
             (run_dir / name).unlink(missing_ok=True)
         try:

@@ -24,7 +24,7 @@ from splitstage.storage.files import StorageError, join, write_atomic
 from splitstage.tasks.cache.batch_plan import plan_epoch
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
-from splitstage.tasks.job_plan import JobPlan, open_cache
+from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.validation_prompts import read_validation_prompts
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
@@ -87,7 +87,7 @@ def check_models(config: SplitstageConfig, plan: JobPlan) -> None:
     for name in names:
         weights = family.weights_file(name)
         if weights and weights[0].endswith((".safetensors", ".safetensors.index.json")):
-            meta_model = family.build_model(name, torch.device("meta"), meta=True)
+            meta_model = plan.meta_model(name)
             try:
                 check_weights_file(meta_model, weights[0], weights[1])
             except WeightsError as error:
@@ -110,10 +110,8 @@ def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
     base = config.trainable.lora_base_model
     if base is None:
         return []
-    family = plan.family
-    model = family.build_model(base, torch.device("meta"), meta=True)
-    targets = family.lora_targets(base)
-    return check_lora_targets(model, base, targets, config.trainable.lora_rank)
+    targets = plan.family.lora_targets(base)
+    return check_lora_targets(plan.meta_model(base), base, targets, config.trainable.lora_rank)
 
 
 def check_cache(
@@ -129,7 +127,7 @@ def check_cache(
         result.sample_count = len(data.keys)
         result.settings["samples"] = stable_hash(sorted(data.keys))
         return
-    store = open_cache(config, plan)
+    store = plan.cache
     committed = store.key_table()  # compact: a million keys compare in well under a second
     wanted = KeyTable.from_keys(data.keys)
     if not len(committed):
@@ -189,8 +187,7 @@ def batch_source(
         return RawBatches(config, plan.family, 0, dp), True
     if result.keys is None:  # validate before (or between) stage-1 runs
         return DataSetBatches(config, list(data.keys), dp), False
-    store = open_cache(config, plan)
-    return CachedBatches(config, store, 0, dp, keys=result.keys), True
+    return CachedBatches(config, plan.cache, 0, dp, keys=result.keys), True
 
 
 def check_batches(

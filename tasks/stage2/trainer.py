@@ -70,6 +70,25 @@ def step_generator(seed: int, rank: int, batch_index: int, device: torch.device)
     return generator
 
 
+def check_same_split(plan: JobPlan, launcher_split: dict[str, Any] | None) -> None:
+    """A rank trains the split the launcher checked and showed, or stops: a family whose units
+    or models differ between the launcher's machine and a rank's (another package version on a
+    node, an environment-dependent unit) would otherwise train a split nobody saw."""
+    if launcher_split is None:
+        return
+    mine = plan.split.to_dict()
+    differing = sorted(
+        k for k in ("v1", "v2", "boundary_params", "models") if mine[k] != launcher_split.get(k)
+    )
+    if differing:
+        raise UserError(
+            f"this rank split pipeline {mine['pipeline']!r} differently from the launcher "
+            f"({', '.join(differing)} differ: {mine[differing[0]]} here, "
+            f"{launcher_split.get(differing[0])} at launch); install the same splitstage and "
+            "family packages on every node"
+        )
+
+
 def current_rss_mb() -> float:
     """Resident memory of this process now (Linux /proc; 0 where unavailable)."""
     try:
@@ -93,6 +112,7 @@ class Trainer:
         self.config = SplitstageConfig.model_validate(spec["config"])
         self.dist: DistInfo = init_distributed()
         self.plan: JobPlan = make_plan(self.config)
+        check_same_split(self.plan, spec.get("split"))
         train = self.config.train
         dtype = pick_dtype(train.mixed_precision, self.dist.device)
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")

@@ -1,0 +1,51 @@
+"""Set-up done once per process: the launcher's preflight builds each meta model once and opens
+the cache once; a rank trains only the split the launcher checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitstage.splitter import UserError
+from splitstage.tasks import job_plan
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage2.outputs import run_paths
+from splitstage.tasks.stage2.preflight import preflight
+from splitstage.tasks.stage2.trainer import check_same_split
+from tests.integration.tiny_job import make_workspace, tiny_config
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return make_workspace(tmp_path_factory.mktemp("setup-once"), samples=16, seed=0)
+
+
+def test_preflight_builds_each_meta_model_once_and_opens_the_cache_once(workspace, monkeypatch):
+    config = tiny_config(workspace, "once", 0)
+    plan = make_plan(config)
+    builds: list[tuple[str, bool]] = []
+    build = plan.family.build_model
+
+    def counted_build(name, device, meta=False):
+        builds.append((name, meta))
+        return build(name, device, meta=meta)
+
+    monkeypatch.setattr(plan.family, "build_model", counted_build)
+    opened = []
+    open_cache = job_plan.open_cache
+    monkeypatch.setattr(
+        job_plan, "open_cache", lambda *a, **k: opened.append(1) or open_cache(*a, **k)
+    )
+    checks = preflight(config, plan, run_paths(config, "once", workspace / "runs"))
+    assert checks.sample_count == 16
+    assert builds == [("dit", True)]  # the weights check and the LoRA-target check share it
+    assert len(opened) == 1  # the cache check and the batch plan read one store
+
+
+def test_a_rank_refuses_a_split_other_than_the_launchers(workspace):
+    plan = make_plan(tiny_config(workspace, "split", 0))
+    launcher = plan.split.to_dict()
+    check_same_split(plan, launcher)  # the same split: trains
+    check_same_split(plan, None)  # a spec from before the launcher recorded it
+    other = {**launcher, "v1": [*launcher["v1"], "extra_unit"]}
+    with pytest.raises(UserError, match=r"this rank split pipeline .* differently.*\(v1 differ"):
+        check_same_split(plan, other)
