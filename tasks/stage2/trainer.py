@@ -207,7 +207,9 @@ class Trainer:
         with self.accelerator.autocast():
             run_units(self.units, ctx, inputs)
             loss = self.family.training_loss(ctx, inputs)
-        self.accelerator.backward(loss / self.config.train.gradient_accumulation_steps)
+        # accelerate divides by gradient_accumulation_steps (it was built with it): the one owner
+        # of that division, so the accumulated gradient is the mean over the micro-batches.
+        self.accelerator.backward(loss)
         return loss.detach()
 
     def mean_across_ranks(self, value: torch.Tensor) -> float:
@@ -322,10 +324,11 @@ class Trainer:
             for micro, batch in enumerate(self.source.iterate(epoch, start)):
                 if micro % accum == 0:
                     t0 = time.perf_counter()
+                    update_loss = torch.zeros((), device=self.dist.device)
                 batch_index = update * accum + micro % accum
                 model = self.trained_models()[0]
                 with self.accelerator.accumulate(model):
-                    loss = self.micro_step(batch, batch_index)
+                    update_loss += self.micro_step(batch, batch_index).float()
                     self.prepared_optimizer.step()
                     self.prepared_optimizer.zero_grad(set_to_none=True)
                 if (micro + 1) % accum:
@@ -339,7 +342,7 @@ class Trainer:
                 if self.fault and self.fault[:2] == (self.dist.rank, update):
                     crash(whole_node=self.fault[2])
                 seconds = time.perf_counter() - t0
-                mean = self.mean_across_ranks(loss)
+                mean = self.mean_across_ranks(update_loss / accum)  # over micro-batches, ranks
                 if not math.isfinite(mean):
                     raise TrainingDivergedError(self.diverged(update, mean))
                 self.record(update, mean, seconds)
