@@ -32,8 +32,9 @@ test: $(STAMP) $(SIDE_STAMP)
 	$(PY) -m pytest -q
 	SPLITSTAGE_DIFFSYNTH_TESTS=1 $(SIDE)/bin/python -m pytest -q -p no:cacheprovider tests/diffsynth
 
+# The unit tests only (no servers, no torchrun): about 2-3 minutes here.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitstage.splitter import Pipeline, Unit, split_units  # noqa: E402
-from tests.unit import seed_oracle  # noqa: E402
+from tests.helpers import seed_oracle  # noqa: E402
 
 SHAPES = {"chain": 3, "wide": 20}  # how far back (in units) a unit reads its inputs
 

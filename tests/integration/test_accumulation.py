@@ -17,7 +17,7 @@ from splitstage.tasks.stage2.launch import write_spec
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.trainer import Trainer, step_generator, to_device
-from tests.integration.tiny_job import make_workspace, tiny_config
+from tests.helpers.tiny_job import make_workspace, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -15,48 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from splitstage.cli import main
-from splitstage.data.digits import write_digits_dataset
-from splitstage.pipelines.demo.weight_files import build_demo_weights
+from tests.helpers import catalogue
+from tests.helpers.catalogue import check_one_line, config_text, run_cli
+
+assets = catalogue.assets  # the shared module-scoped fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("catalogue")
-    write_digits_dataset(root / "data", limit=6)
-    build_demo_weights(root / "weights")
-    return root
-
-
-def config_text(assets: Path, data: Path | None = None, extra: str = "", **sections) -> str:
-    """A valid tiny job config as TOML, with `extra` lines appended."""
-    data = data or assets / "data"
-    return (
-        f'[models.vae]\nweights = "{assets}/weights/vae.safetensors"\n'
-        f'[models.dit]\nweights = "{assets}/weights/dit.safetensors"\n'
-        '[models.text_encoder]\nbuilder = "tiny"\n'
-        '[trainable]\nlora_base_model = "dit"\n'
-        f'[data]\nbase_path = "{data}"\n'
-        f'[cache]\nurl = "{assets}/cache"\n' + extra
-    )
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str]:
-    code = main(args)
-    err = capsys.readouterr().err
-    return code, err
-
-
-def check_one_line(code: int, err: str, *needles: str) -> None:
-    """Exit 2, one error line (progress bars drawn before it aside), no traceback."""
-    assert code == 2, err
-    lines = [line for line in err.split("\n") if line and "\r" not in line]
-    assert len(lines) == 1 and lines[0].startswith("splitstage: error: "), err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in err, f"{needle!r} not in {err!r}"
 
 
 CONFIG_CASES = {

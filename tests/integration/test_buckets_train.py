@@ -14,7 +14,7 @@ from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.batches import CachedBatches
 from splitstage.tasks.stage2.launch import train
-from tests.integration.tiny_job import tiny_config
+from tests.helpers.tiny_job import tiny_config
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu"}

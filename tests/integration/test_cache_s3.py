@@ -18,7 +18,7 @@ from splitstage.storage.files import (
 )
 from splitstage.tasks.cache.reader import CacheDataset
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
-from tests.unit.test_cache_store import (
+from tests.helpers.cache_samples import (
     assert_same,
     key_of,
     make_sample,

@@ -17,7 +17,7 @@ import pytest
 
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline
-from tests.unit.test_cache_store import key_of, make_samples
+from tests.helpers.cache_samples import key_of, make_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.integration import test_bad_input_catalogue as catalogue
-from tests.integration.test_bad_input_catalogue import check_one_line, config_text, run_cli
+from tests.helpers import catalogue
+from tests.helpers.catalogue import check_one_line, config_text, run_cli
 
-assets = catalogue.assets  # the catalogue's module-scoped fixture: tiny digits + demo weights
+assets = catalogue.assets  # the shared module-scoped fixture
 
 pytestmark = pytest.mark.slow
 

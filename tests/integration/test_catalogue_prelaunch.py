@@ -14,28 +14,12 @@ from pathlib import Path
 import pytest
 
 from splitstage.cli import main
-from tests.integration.test_bad_input_catalogue import assets, check_one_line  # noqa: F401
+from tests.helpers import catalogue
+from tests.helpers.catalogue import check_one_line, cli, job
+
+assets = catalogue.assets  # the shared module-scoped fixture
 
 pytestmark = pytest.mark.slow
-
-
-def job(root: Path, tmp_path: Path, *, trainable: str = 'lora_base_model = "dit"', **groups):
-    """A tiny valid job as TOML; `groups` replace or add whole [group] bodies (name -> lines)."""
-    body = {
-        "job": 'name = "catalogue"',
-        "models.vae": f'weights = "{root}/weights/vae.safetensors"',
-        "models.dit": f'weights = "{root}/weights/dit.safetensors"',
-        "models.text_encoder": 'builder = "tiny"',
-        "trainable": trainable,
-        "data": f'base_path = "{root}/data"',
-        "cache": f'url = "{root}/cache"\nshard_samples = 4',
-        "train": "batch_size = 2\nmax_steps = 1",
-        "output": f'url = "{tmp_path}/out"',
-    }
-    body.update({k.replace("__", "."): v for k, v in groups.items()})
-    path = tmp_path / f"job-{time.monotonic_ns()}.toml"
-    path.write_text("".join(f"[{name}]\n{lines}\n" for name, lines in body.items()))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +29,6 @@ def cached(assets):  # noqa: F811 - the catalogue's module fixture, imported abo
     path = Path(job(assets, assets / "prep"))
     assert main(["preprocess", str(path)]) == 0
     return assets
-
-
-def cli(args: list[str], capsys) -> tuple[int, str]:
-    """(exit code, stderr) of the real CLI, whether it returns or exits (argparse)."""
-    try:
-        code = main(args)
-    except SystemExit as stop:
-        code = stop.code
-    return code, capsys.readouterr().err
 
 
 CASES = {  # name -> (groups for job(), command, needles)

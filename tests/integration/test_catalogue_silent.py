@@ -15,8 +15,7 @@ import pytest
 
 from splitstage.data.digits import write_digits_dataset
 from splitstage.demo import write_demo_weights
-from tests.integration.test_bad_input_catalogue import check_one_line
-from tests.integration.test_catalogue_prelaunch import cli, job
+from tests.helpers.catalogue import check_one_line, cli, job
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,7 @@ from PIL import Image
 from splitstage.config.job import load_config
 from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.stage1.preprocess import preprocess
-from tests.integration.test_bad_input_catalogue import check_one_line
-from tests.integration.test_catalogue_prelaunch import cli
+from tests.helpers.catalogue import check_one_line, cli
 
 pytestmark = pytest.mark.slow
 SHAPES = [(64, 64), (60, 120), (120, 60)]  # source (height, width): square, wide, tall

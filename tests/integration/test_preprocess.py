@@ -16,47 +16,19 @@ import pytest
 import torch
 from PIL import Image
 
-from splitstage.config.job import config_from_dict
 from splitstage.data.dataset import DataError
-from splitstage.data.digits import write_digits_dataset
 from splitstage.data.index import index_data_set
 from splitstage.pipelines.demo.family import DemoFamily
 from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
+from tests.helpers import preprocess_job
+from tests.helpers.preprocess_job import make_config
+
+assets = preprocess_job.assets  # the shared module-scoped fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    """Digits (24 samples) and demo weights, shared read-only by the module's tests."""
-    root = tmp_path_factory.mktemp("assets")
-    write_digits_dataset(root / "data", limit=24)
-    build_demo_weights(root / "weights")
-    return root
-
-
-def make_config(assets: Path, tmp: Path, **overrides):
-    """A tiny job whose data set is a private copy (tests may edit it)."""
-    data = tmp / "data"
-    if not data.exists():
-        shutil.copytree(assets / "data", data)
-    document = {
-        "models": {
-            "vae": {"weights": str(assets / "weights/vae.safetensors")},
-            "dit": {"weights": str(assets / "weights/dit.safetensors")},
-            "text_encoder": {"builder": "tiny"},
-        },
-        "trainable": {"lora_base_model": "dit"},
-        "data": {"base_path": str(data)},
-        "cache": {"url": str(tmp / "cache"), "shard_samples": 8},
-        "preprocess": {"batch_size": 4},
-    }
-    for group, fields in overrides.items():
-        document.setdefault(group, {}).update(fields)
-    return config_from_dict(document)
 
 
 def cached(config) -> dict:

@@ -20,7 +20,7 @@ from splitstage.pipelines.demo.family import DemoFamily
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1.preprocess import preprocess
-from tests.demo_job import demo_sections
+from tests.helpers.demo_job import demo_sections
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.trainer import check_same_split
-from tests.integration.tiny_job import make_workspace, tiny_config
+from tests.helpers.tiny_job import make_workspace, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from splitstage.storage.files import (
 )
 from splitstage.storage.urls import InvalidURLError
 from splitstage.tasks.cache.store import CacheStore
-from tests.unit.test_cache_store import key_of, make_samples
+from tests.helpers.cache_samples import key_of, make_samples
 
 pytestmark = pytest.mark.slow
 

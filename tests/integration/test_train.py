@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from splitstage.config.job import ConfigError
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.torchrun import TorchrunError
-from tests.integration.tiny_job import make_workspace, tiny_config
+from tests.helpers.tiny_job import make_workspace, tiny_config
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu"}

@@ -15,8 +15,10 @@ from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.preprocess import preprocess, preprocess_shard
 from splitstage.tasks.stage1.preprocess_report import snapshot, summarize_preprocess
-from tests.integration.test_preprocess import assets as assets  # the fixture
-from tests.integration.test_preprocess import make_config
+from tests.helpers import preprocess_job
+from tests.helpers.preprocess_job import make_config
+
+assets = preprocess_job.assets  # the shared module-scoped fixture
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.validation import Validator, check_validation_sizes, repeat_rows
 from splitstage.tiny_diffusers import write_tiny_folder
-from tests.demo_job import demo_sections
+from tests.helpers.demo_job import demo_sections
 from tests.integration.test_diffusers_sampling import PIPELINE, family_plan
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from splitstage.data.buckets import BucketError, Buckets
 from splitstage.data.dataset import Row, load_sample
 from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.job_plan import make_plan
-from tests.demo_job import demo_sections
+from tests.helpers.demo_job import demo_sections
 
 
 def buckets(resolution=1024, multiple=8, **fields) -> Buckets:

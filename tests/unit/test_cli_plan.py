@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from splitstage.cli import main
-from tests.unit.splitter_cases import demo_like, qwen_image_like
+from tests.helpers.splitter_cases import demo_like, qwen_image_like
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pytest
 
 from splitstage.pipelines.diffsynth.adapter import pipeline_from_diffsynth
 from splitstage.splitter import PipelineSpecError, plan_split
-from tests.unit import seed_oracle
+from tests.helpers import seed_oracle
 
 
 class PipelineUnit:

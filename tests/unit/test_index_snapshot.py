@@ -13,7 +13,7 @@ from splitstage.storage.files import is_local
 from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
-from tests.unit.test_cache_store import assert_same, key_of, make_sample, make_samples
+from tests.helpers.cache_samples import assert_same, key_of, make_sample, make_samples
 
 SNAPSHOT_LOG = "splitstage.tasks.cache.index_snapshot"
 

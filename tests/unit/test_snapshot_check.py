@@ -10,8 +10,8 @@ import pytest
 import splitstage.tasks.cache.repair as repair
 from splitstage.storage.files import is_local
 from splitstage.tasks.cache.store import CacheStore
+from tests.helpers.cache_samples import key_of, make_sample, make_samples
 from tests.unit import test_index_snapshot as snapshot_tests
-from tests.unit.test_cache_store import key_of, make_sample, make_samples
 from tests.unit.test_index_snapshot import fresh, later
 
 store = snapshot_tests.store  # fixture: a cache of 12 samples in 4 shards, with its snapshot

@@ -11,8 +11,8 @@ from splitstage.splitter import (
     plan_split,
     split_units,
 )
-from tests.unit import seed_oracle
-from tests.unit.splitter_cases import demo_like, qwen_image_like
+from tests.helpers import seed_oracle
+from tests.helpers.splitter_cases import demo_like, qwen_image_like
 
 
 def names(units):

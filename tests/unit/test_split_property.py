@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitstage.splitter import Pipeline, Unit, plan_split, split_units
-from tests.unit import seed_oracle
+from tests.helpers import seed_oracle
 
 PARAMS = [f"p{i}" for i in range(7)]
 MODELS = ["m0", "m1", "m2", "m3"]

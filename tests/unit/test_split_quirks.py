@@ -19,7 +19,7 @@ from splitstage.splitter import (
     plan_split,
 )
 from splitstage.splitter import plan as plan_module
-from tests.unit import seed_oracle
+from tests.helpers import seed_oracle
 
 
 def oracle(units, trainable):

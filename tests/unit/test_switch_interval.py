@@ -10,7 +10,7 @@ import pytest
 import splitstage.tasks.cache.store as store_module
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.cache.switch_interval import shorter_switch_interval
-from tests.unit.test_cache_store import make_samples
+from tests.helpers.cache_samples import make_samples
 
 
 @pytest.fixture(autouse=True)
