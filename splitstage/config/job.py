@@ -198,6 +198,24 @@ class PreprocessConfig(Group):
     batch_size: int = Field(16, ge=1, le=4096)
 
 
+OptionValue = bool | int | float | str | list[bool | int | float | str]
+
+
+class EmaConfig(Group):
+    """`[train.ema]`: an exponential moving average of the trained parameters (for LoRA: the
+    adapter), checkpointed, resumed and exported beside the weights (`..._ema`)."""
+
+    decay: float = Field(
+        0.9999, gt=0, lt=1, description="Weight of the old average at each update, in (0, 1)."
+    )
+    start_update: int = Field(
+        0, ge=0, description="Updates before the average starts (it copies the weights then)."
+    )
+    use_for_validation: bool = Field(
+        False, description="Draw validation samples with the averaged weights."
+    )
+
+
 class TrainConfig(Group):
     """Stage 2 settings."""
 
@@ -210,7 +228,39 @@ class TrainConfig(Group):
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup updates before the schedule.")
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "adafactor"] = Field(
+        "adamw",
+        description="'adamw' (torch), 'adamw8bit' (bitsandbytes), 'prodigy' (prodigyopt), "
+        "'adafactor' (transformers).",
+    )
+    optimizer_args: dict[str, OptionValue] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the optimizer (e.g. betas = [0.9, 0.99], eps).",
+    )
+    lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = (
+        Field(
+            "constant",
+            description="Learning-rate schedule after warmup (diffusers' get_scheduler).",
+        )
+    )
+    lr_scheduler_args: dict[str, OptionValue] = Field(
+        default_factory=dict,
+        description="Extra schedule arguments: num_cycles (cosine_with_restarts), power "
+        "(polynomial), lr_end (polynomial).",
+    )
+    max_grad_norm: float | None = Field(
+        None, gt=0, description="Clip the global gradient norm to this; default: no clipping."
+    )
+    ema: EmaConfig | None = Field(None, description="Off when absent.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: less memory, ~20-40% more time."
+    )
+    weight_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Dtype of the frozen weights of the trained model under LoRA; 'auto': the "
+        "compute dtype of mixed_precision. Trained parameters stay fp32.",
+    )
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="'auto': bf16 on GPUs that support it, else fp32."
     )
