@@ -100,9 +100,10 @@ def open_fs(
     try:
         return open_url(url, opts, field=field)
     except ImportError as exc:
+        package = urls.FILESYSTEM_PACKAGES.get(protocol, exc.name or "its fsspec filesystem")
         raise StorageError(
-            f"cannot open {url}: the filesystem for '{protocol}://' is not installed ({exc.name}); "
-            f"install it (for s3:// that is `pip install s3fs`)."
+            f"cannot open {url}: the filesystem for '{protocol}://' is not installed; "
+            f"`pip install {package}`."
         ) from None
     except TypeError as exc:
         raise StorageError(

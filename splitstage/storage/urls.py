@@ -28,13 +28,13 @@ from typing import Any
 from splitstage.splitter import UserError
 
 OBJECT_STORE_SCHEMES = frozenset({"s3", "gs", "gcs", "az", "abfs"})
+# the fsspec filesystem package each object store needs (only s3fs is a dependency)
+FILESYSTEM_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 SCHEMES = frozenset({"file", "memory", *OBJECT_STORE_SCHEMES})
 _SCHEME_HINT = "use a local path, file://, s3://, memory://, gs:// or az://"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SCHEME_TYPO = re.compile(r"^(s3|gs|gcs|az|abfs|memory|file):/?(?!/)", re.IGNORECASE)
-_GCS_BUCKET_CHARS = re.compile(r"^[a-z0-9._-]+$")
-_AZ_CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
 _S3_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
 _S3_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
@@ -90,8 +90,9 @@ def _check_text(url: object, field: str | None) -> str:
 def normalize_url(url: str, field: str | None = "url", *, check_bucket: bool = True) -> str:
     """Return the normal form of a storage URL or local path (see the module docstring).
 
-    `check_bucket`: also apply the bucket-naming rules of the store (`validate_bucket_name`);
-    off, only an empty bucket is refused (for buckets named before AWS's current rules).
+    `check_bucket`: also apply S3's bucket-naming rules (`validate_bucket_name`; other stores'
+    names are left to their filesystem); off, only an empty bucket is refused (for buckets named
+    before AWS's current rules).
     """
     url = _check_text(url, field)
     scheme = scheme_of(url)
@@ -198,22 +199,6 @@ def _s3_bucket_problem(name: str) -> str | None:
     return None
 
 
-def _gcs_bucket_problem(name: str) -> str | None:
-    longest = max((len(p) for p in name.split(".")), default=0)
-    if not 3 <= len(name) <= (222 if "." in name else 63) or longest > 63:
-        return f"is {len(name)} characters long (3-63, or up to 222 with dots)"
-    bad = sorted({c for c in name if not _GCS_BUCKET_CHARS.match(c)})
-    if bad:
-        return f"has {', '.join(repr(c) for c in bad)} (allowed: lowercase letters, digits, '.-_')"
-    if not (name[0].isalnum() and name[-1].isalnum()):
-        return "must start and end with a lowercase letter or a digit"
-    if _ip_like(name):
-        return "looks like an IP address"
-    if name.startswith("goog") or "google" in name:
-        return "starts with 'goog' or contains 'google', which Google reserves"
-    return None
-
-
 def _suggest(name: str, problem) -> str:
     guess = re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip(".-")
     guess = re.sub(r"\.{2,}", ".", guess)
@@ -221,36 +206,23 @@ def _suggest(name: str, problem) -> str:
 
 
 def validate_bucket_name(name: str, field: str | None = "bucket", *, scheme: str = "s3") -> str:
-    """Check a bucket (container) name by the store's naming rules; returns it unchanged.
+    """Check an S3 bucket name by AWS's naming rules; returns it unchanged.
 
     s3: AWS general-purpose bucket rules (3-63 characters; lowercase letters, digits, dots and
     hyphens; starts and ends with a letter or digit; no '..', no dot next to a hyphen; not an IP
     address; not the reserved prefixes xn--, sthree-, amzn-s3-demo- or suffixes -s3alias, --ol-s3,
-    .mrap, --x-s3, --table-s3). gs/gcs: Google's rules. az/abfs: Azure container rules (the part
-    before '@' in `container@account.dfs.core.windows.net`).
+    .mrap, --x-s3, --table-s3). Other stores (gs/gcs, az/abfs) are not checked here: their
+    filesystem (gcsfs, adlfs) and the store report a bad name.
     """
-    if scheme in ("az", "abfs"):
-        container = name.split("@", 1)[0]
-        if not _AZ_CONTAINER.match(container):
-            raise _fail(
-                field,
-                f"container name {container!r} is not valid: 3-63 lowercase letters, digits and "
-                "single hyphens, starting and ending with a letter or digit; e.g. az://my-container/cache",
-            )
+    if scheme != "s3":
         return name
-    problem = _gcs_bucket_problem if scheme in ("gs", "gcs") else _s3_bucket_problem
-    found = problem(name)
+    found = _s3_bucket_problem(name)
     if found:
-        rules = (
-            "Google Cloud Storage bucket names are 3-63 lowercase letters, digits, '.', '-', '_'"
-            if scheme in ("gs", "gcs")
-            else "S3 bucket names are 3-63 lowercase letters, digits, '.' and '-', starting and "
-            "ending with a letter or digit"
-        )
         raise _fail(
             field,
-            f"bucket name {name!r} {found}; {rules}; "
-            f"e.g. {scheme}://{_suggest(name, problem)}/cache",
+            f"bucket name {name!r} {found}; S3 bucket names are 3-63 lowercase letters, digits, "
+            "'.' and '-', starting and ending with a letter or digit; "
+            f"e.g. {scheme}://{_suggest(name, _s3_bucket_problem)}/cache",
         )
     return name
 

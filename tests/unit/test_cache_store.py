@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import threading
@@ -521,6 +522,25 @@ def test_translate_error_messages_never_show_secrets(monkeypatch):
     assert translate_error(plain, "s3://bkt/p", "read") is plain
     denied = translate_error(PermissionError("Forbidden env-s3cr3t"), "s3://bkt/p", "read")
     assert isinstance(denied, StorageError) and "s3cr3t" not in str(denied)
+
+
+@pytest.mark.parametrize(
+    ("url", "package"),
+    [
+        ("gs://bkt/p", "gcsfs"),
+        ("gcs://bkt/p", "gcsfs"),
+        ("az://ctr/p", "adlfs"),
+        ("abfs://ctr/p", "adlfs"),
+    ],
+)
+def test_open_fs_names_the_missing_filesystem_package(url, package):
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(StorageError) as err:
+        open_fs(url, field="cache.url")
+    message = str(err.value)
+    assert f"`pip install {package}`" in message and "s3fs" not in message
+    assert url in message and "\n" not in message
 
 
 # ---- CacheDataset ------------------------------------------------------------------------------
