@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import struct
 from typing import Any
 
 _SIZE = 8  # the header starts with its byte length, little-endian u64
@@ -11,15 +10,39 @@ _SIZE = 8  # the header starts with its byte length, little-endian u64
 INDEX_SUFFIX = ".safetensors.index.json"  # what save_pretrained(max_shard_size=...) writes
 
 
+def _split(data: bytes) -> tuple[int, dict[str, Any]]:
+    """(the header's byte length, the header) of safetensors bytes; ValueError saying what is
+    wrong (shorter than the size field, a size past the end, not a JSON object)."""
+    if len(data) < _SIZE:
+        raise ValueError(f"safetensors bytes too short ({len(data)} bytes, no header size)")
+    size = int.from_bytes(data[:_SIZE], "little")
+    if size > len(data) - _SIZE:
+        raise ValueError(
+            f"safetensors header of {size} bytes runs past the end ({len(data) - _SIZE} follow)"
+        )
+    try:
+        header = json.loads(data[_SIZE : _SIZE + size])
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"safetensors header is a JSON {type(header).__name__}, not an object")
+    return size, header
+
+
 def read_header(data: bytes) -> dict[str, Any]:
-    """The JSON header of safetensors bytes (tensor specs plus `__metadata__`)."""
-    (size,) = struct.unpack("<Q", data[:_SIZE])
-    return json.loads(data[_SIZE : _SIZE + size])
+    """The JSON header of safetensors bytes (tensor specs plus `__metadata__`), in file order;
+    `data` may be the whole file or only its first bytes (as far as the header reaches). The
+    one parser of header bytes: files that are local and whole are read by `safetensors.safe_open`.
+    """
+    return _split(data)[1]
 
 
 def read_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` strings of safetensors bytes ({} if none)."""
-    return read_header(data).get("__metadata__") or {}
+    metadata = read_header(data).get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"safetensors __metadata__ is a {type(metadata).__name__}, not an object")
+    return metadata
 
 
 def looks_like_safetensors(head: bytes) -> bool:
@@ -54,8 +77,7 @@ def index_weight_map(data: bytes) -> dict[str, str]:
 def canonical(data: bytes) -> bytes:
     """Re-serialize the header with sorted keys: safetensors orders metadata randomly, and equal
     weights must give equal file bytes (file hashes feed cache keys)."""
-    (size,) = struct.unpack("<Q", data[:_SIZE])
-    header = json.loads(data[_SIZE : _SIZE + size])
+    size, header = _split(data)
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # keep the data section 8-byte aligned
-    return struct.pack("<Q", len(text)) + text + data[_SIZE + size :]
+    return len(text).to_bytes(_SIZE, "little") + text + data[_SIZE + size :]

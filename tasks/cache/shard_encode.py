@@ -1,39 +1,31 @@
 """The tensor side of a shard: find identical tensors cheaply, write safetensors in one copy.
 
-`safetensors.torch.save` costs about 20 us of Python per tensor and copies the data twice; a shard
-holds hundreds of small tensors, so encoding ran as slowly as the upload it should hide behind.
-Here the header is built in Python exactly as safetensors' Rust serializer builds it (the tensor
-order and dtype names are read once from safetensors itself, so the bytes stay identical and the
-shard ids too) and the tensors are joined into the result with ONE copy (`bytes.join` releases the
-GIL for large joins). Identical tensors are found by a sampled fingerprint, confirmed with crc32
-and an exact byte comparison only where fingerprints meet: the bytes are hashed once, by sha256.
+`safetensors.torch.save` costs about 20 us of Python per tensor (its checks for shared and
+non-contiguous tensors) and a shard holds hundreds of small tensors, so encoding ran as slowly as
+the upload it should hide behind. Here safetensors' own serializer (`safetensors.serialize`) is
+handed pointers to the tensors (`TensorSpec`, safetensors >= 0.8): the same header and bytes as
+`save` (so the shard ids stay the same), one copy, none of save's per-tensor checks (a shard's
+tensors are contiguous and own their storage, see `shard_format`). Identical tensors are found by
+a sampled fingerprint, confirmed with crc32 and an exact byte comparison only where fingerprints
+meet: the bytes are hashed once, by sha256.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import struct
 import sys
 import zlib
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import serialize as st_serialize
 from safetensors.torch import save as st_save
 
-_PROBE_DTYPES = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
+try:
+    from safetensors import TensorSpec  # safetensors >= 0.8: serialize from pointers
+except ImportError:  # older safetensors: `save` (the same bytes, more Python per tensor)
+    TensorSpec = None
+
 _SAME_SIZE_INT = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: view its bytes as int16
 
 
@@ -86,46 +78,23 @@ class Dedupe:
         return None
 
 
-@functools.cache
-def _safetensors_layout() -> dict[torch.dtype, tuple[int, str]]:
-    """{torch dtype: (rank in safetensors' tensor order, its header name)}, read from the
-    installed safetensors by saving one tensor of each dtype (names sort opposite to dtypes)."""
-    names = {f"t{len(_PROBE_DTYPES) - i:02d}": d for i, d in enumerate(_PROBE_DTYPES)}
-    data = st_save({name: torch.zeros(1, dtype=d) for name, d in names.items()})
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
-    order = [name for name in header if name != "__metadata__"]
-    return {names[name]: (rank, header[name]["dtype"]) for rank, name in enumerate(order)}
-
-
-def serialize(
-    tensors: dict[str, torch.Tensor],
-    metadata: dict[str, str],
-    raws: dict[str, np.ndarray] | None = None,
-) -> bytes:
-    """The bytes `safetensors.torch.save(tensors, metadata=metadata)` writes, in one copy.
-    Tensors must be contiguous CPU tensors owning their storage (see `shard_format`); `raws`:
-    their `flat_bytes` where the caller has them."""
-    layout = _safetensors_layout()
-    plain = all(t.dtype in layout and t.layout == torch.strided for t in tensors.values())
-    if sys.byteorder != "little" or not plain:
-        return st_save(tensors, metadata=metadata)
-    order = sorted(tensors, key=lambda name: (layout[tensors[name].dtype][0], name))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        end = offset + t.nbytes
-        header[name] = {"dtype": layout[t.dtype][1], "shape": list(t.shape)}
-        header[name]["data_offsets"] = [offset, end]
-        offset = end
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
-    parts = [struct.pack("<Q", len(text)), text]
-    raws = raws or {}
-    for name in order:
-        raw = raws.get(name)
-        raw = flat_bytes(tensors[name]) if raw is None else raw
-        if len(raw):
-            parts.append(raw)
-    return b"".join(parts)
+def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The bytes `safetensors.torch.save(tensors, metadata=metadata)` writes, by safetensors' own
+    serializer in one copy, without `save`'s shared-storage check (`shard_format` gives each
+    tensor its own storage). A tensor on a GPU, sparse or not contiguous, an older safetensors or
+    a big-endian host: `save` itself (no pointer safetensors cannot read is handed over)."""
+    plain = all(
+        t.layout == torch.strided and t.is_cpu and t.is_contiguous() for t in tensors.values()
+    )
+    if TensorSpec is None or sys.byteorder != "little" or not plain:
+        return st_save(tensors, metadata=metadata or None)
+    specs = {  # the dtype names and the header are safetensors' own (as `save` names them)
+        name: TensorSpec(
+            dtype=str(t.dtype).removeprefix("torch."),
+            shape=t.shape,
+            data_ptr=t.data_ptr(),
+            data_len=t.nbytes,
+        )
+        for name, t in tensors.items()
+    }
+    return st_serialize(specs, metadata=metadata or None)  # `tensors` keeps the data alive

@@ -164,7 +164,6 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
     if not samples:
         raise ValueError("write_shard got no samples: pass {sample_key: {param: value}}")
     tensors: dict[str, torch.Tensor] = {}
-    raws: dict[str, Any] = {}  # each stored tensor's flat bytes, viewed once
     values: dict[str, dict[str, Any]] = {}
     specs: dict[str, dict[str, Any]] = {}
     seen_storage: set[int] = set()
@@ -187,7 +186,7 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
                 if same is not None:  # stored once per shard, named by every sample
                     spec["same_as"] = same
                 else:
-                    tensors[name], raws[name] = t, raw
+                    tensors[name] = t
                 specs[key][param] = spec
             else:
                 if not isinstance(value, _JSON_SCALARS):  # (the common case, checked first)
@@ -196,7 +195,7 @@ def encode_shard(samples: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, dict[
                 specs[key][param] = "json"
     blob = {"format": FORMAT_VERSION, "values": values}
     meta = {META_KEY: json.dumps(blob, sort_keys=True, separators=(",", ":"), allow_nan=True)}
-    return serialize(tensors, meta, raws), specs
+    return serialize(tensors, meta), specs
 
 
 def decode_shard(data: bytes, entry: IndexEntry) -> dict[str, dict[str, Any]]:

@@ -17,7 +17,6 @@ import json
 import logging
 import random
 import re
-import struct
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,6 +46,7 @@ from splitstage.storage.files import (
     write_atomic,
 )
 from splitstage.storage.options import resolve_credentials
+from splitstage.storage.safetensors_io import read_metadata
 from splitstage.tasks.stage2.distributed import comm_device
 from splitstage.tasks.stage2.safe_dcp import SafeFsspecReader
 
@@ -114,10 +114,8 @@ def pack_extra(tree: Any, where: str) -> bytes:
 
 def unpack_extra(blob: bytes) -> Any:
     """Inverse of pack_extra (reads the safetensors header's metadata, then the tensors)."""
-    (size,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + size])
     tensors = st_load(blob)
-    return _decode(json.loads(header["__metadata__"]["json"]), tensors)
+    return _decode(json.loads(read_metadata(blob)["json"]), tensors)
 
 
 def rng_state() -> dict[str, Any]:

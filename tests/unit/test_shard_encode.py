@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 from safetensors.torch import load, save
 
@@ -34,6 +35,18 @@ def test_serialize_writes_exactly_the_bytes_safetensors_writes():
     back = load(ours)
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     assert serialize(tensors, {}) == save(tensors)
+
+
+def test_serialize_other_dtypes_and_tensors_save_would_refuse():
+    tensors = {
+        "f8": torch.arange(4, dtype=torch.float32).to(torch.float8_e4m3fn),
+        "u16": torch.arange(3, dtype=torch.int32).to(torch.uint16),
+        "c64": torch.ones(2, dtype=torch.complex64),
+    }
+    assert serialize(tensors, {"k": "v"}) == save(tensors, metadata={"k": "v"})
+    view = torch.arange(12.0).view(3, 4).t()  # not contiguous: save's own error, no pointer
+    with pytest.raises(ValueError, match="non contiguous"):
+        serialize({"t": view}, {})
 
 
 def reference_dedupe(tensors: dict[str, torch.Tensor]) -> dict[str, str | None]:
