@@ -6,14 +6,19 @@ process start time) at once. Ages: S3 compares LastModified with the response's 
 clock, whole seconds: one is subtracted); a folder its mtime, other filesystems the holder's
 `renewed` time, against this host's clock (keep hosts in sync: NTP).
 
-Atomicity. Folder: O_CREAT|O_EXCL create (half-written, it reads as a fresh unreadable lease);
-a stale lease is renamed aside first (one racer wins; one that moved a newer lease links it back).
+Folder (local or shared disk): the holder also holds a `filelock` flock on `LEASE.json.lock` for
+the whole run; the kernel drops it when the process dies (filelock closes it in forked children).
+A live holder, stopped or hung too, is never taken over by a process its flock reaches (this host,
+NFS clients). Hosts that flocks do not reach (a disk without shared locks) judge LEASE.json as
+above; it is written check-then-replace under the flock, so a holder of such a host paused past its
+ttl may overwrite its successor, whose renewer reports the loss. The lock file is removed at
+release while still held (filelock drops a flock won on a removed file); one deleted or replaced
+mid-run is a lost lease.
 s3://: PutObject `If-None-Match: *` creates, `If-Match: <ETag>` takes over and renews, DeleteObject
 `If-Match` releases (AWS S3, MinIO, moto 5.2.5 + s3fs 2026.9.0 enforce them); acquire reads back
 after `settle` s (moto checks without a lock) and probes that a second conditional create fails.
 Stores ignoring conditions, and other filesystems, get check-then-write + read-back: two runs can
-both win if one stalls over `settle` s between check and write. Folder renewal is check-then-
-replace: a holder paused past its ttl may overwrite its successor, whose renewer reports the loss.
+both win if one stalls over `settle` s between check and write.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
+import filelock
 from fsspec.asyn import sync
 
 from splitstage.splitter import UserError
@@ -114,8 +120,21 @@ def _holder_dead(info: LeaseInfo) -> bool:
 class _ObjectStore:
     """Any fsspec filesystem: check, then write; acquire reads back after `settle` s."""
 
+    lock_path = ""  # folders: the flocked file
+
     def __init__(self, fs: Any, path: str, settle: float) -> None:
         self.fs, self.path, self.settle = fs, path, settle
+
+    def hold(self) -> bool:
+        """Take the store's lock for the run (folders: a flock); False while another holds it."""
+        return True
+
+    def lock_lost(self) -> str | None:
+        """Why the held lock is no longer ours (its file deleted or replaced), else None."""
+        return None
+
+    def unhold(self) -> None:
+        """Give the lock back (a no-op when not held)."""
 
     def read(self) -> _Seen | None:
         try:
@@ -145,7 +164,15 @@ class _ObjectStore:
 
 
 class _LocalStore(_ObjectStore):
-    """Local folder: exclusive create with O_EXCL; takeover and release via a private rename."""
+    """Folder: a flock (filelock) on `LEASE.json.lock` held while the run lives; LEASE.json beside
+    it is written check-then-replace (atomic rename) under it, and its mtime is its age."""
+
+    def __init__(self, fs: Any, path: str, settle: float) -> None:
+        super().__init__(fs, path, settle)
+        self.lock_path = f"{path}.lock"
+        # thread_local=False: the renewer thread may release (on_lost) what acquire took
+        self._flock = filelock.FileLock(self.lock_path, thread_local=False)
+        self._held: tuple[int, int] | None = None  # (device, inode) of the locked file
 
     def read(self) -> _Seen | None:
         try:
@@ -154,41 +181,37 @@ class _LocalStore(_ObjectStore):
         except FileNotFoundError:
             return None
 
-    def create(self, data: bytes) -> bool:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    def _file(self) -> tuple[int, int] | None:
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+            st = os.stat(self.lock_path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def hold(self) -> bool:
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        try:
+            self._flock.acquire(timeout=0)
+        except filelock.Timeout:
             return False
-        with os.fdopen(fd, "wb") as fh:  # a failed write leaves an unreadable lease: expires
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        self._held = self._file()  # the locked file: only a holder removes it, so still there
         return True
 
-    def _grab(self, tag: str) -> bool:
-        """Move the lease aside and delete it if it is still `tag`; put anything else back."""
-        aside = f"{self.path}.old-{uuid.uuid4().hex}"
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        try:
-            with open(aside, "rb") as fh:
-                if _seen(fh.read(), 0.0).tag == tag:
-                    return True
-            with contextlib.suppress(OSError):  # a newer lease: back, unless another appeared
-                os.link(aside, self.path)
-            return False
+    def lock_lost(self) -> str | None:
+        if self._held is not None and self._file() == self._held:
+            return None
+        return f"its lock file {self.lock_path} was deleted or replaced"
+
+    def unhold(self) -> None:
+        if not self._flock.is_locked:
+            return
+        try:  # removed while held: a waiter's flock on it is discarded; a leftover is harmless
+            if self.lock_lost() is None:
+                with contextlib.suppress(OSError):
+                    os.remove(self.lock_path)
         finally:
-            with contextlib.suppress(OSError):
-                os.remove(aside)
-
-    def takeover(self, data: bytes, tag: str) -> bool:
-        return self._grab(tag) and self.create(data)
-
-    def delete(self, tag: str) -> None:
-        self._grab(tag)
+            self._held = None
+            self._flock.release(force=True)
 
 
 class _S3Store(_ObjectStore):
@@ -289,47 +312,75 @@ class RunLease:
             f"expires in {math.ceil(ttl - seen.age)} s; or give another --run-id."
         )
 
+    def _hold(self) -> None:
+        """Take the store's lock; while a live process holds it, raise naming that process."""
+        deadline = time.monotonic() + 1.0  # a racer between its flock and its lease write
+        while not self._store.hold():
+            seen = self._store.read()
+            if seen is not None:
+                self._judge(seen)  # raises when that lease is fresh and its holder alive
+            if time.monotonic() > deadline:
+                who = f"{seen.info.who()}, " if seen and seen.info else ""
+                age = f"lease renewed {seen.age:.0f} s ago" if seen else "no lease written"
+                raise RunLeaseHeldError(
+                    f"run {self.url} is held by another training run ({who}{age}) that holds "
+                    f"{self._store.lock_path} but does not renew its lease: it may be stopped "
+                    "or hung; end it, or give another --run-id."
+                )
+            time.sleep(0.05)
+
     def acquire(self) -> RunLease:
         """Take the lease (or raise RunLeaseHeldError naming its holder), then start renewing."""
         now, pid, host = time.time(), os.getpid(), socket.gethostname()
         started = liveness.process_started(pid)
         me = LeaseInfo(uuid.uuid4().hex, host, _MACHINE, pid, started, now, now, self.ttl)
         with storage.storage_errors(self.lease_url, "take the run lease", self._options):
-            for _ in range(5):
-                seen = self._store.read()
-                if _ours(seen, me.holder):  # ours, read again after a racer's brief move-aside
-                    break
-                if seen is None:
-                    done = self._store.create(me.to_bytes())
-                else:
-                    log.warning("taking over %s: %s", self.lease_url, self._judge(seen))
-                    done = self._store.takeover(me.to_bytes(), seen.tag)
-                if done:
-                    time.sleep(self._store.settle)
-                    if _ours(self._store.read(), me.holder):
-                        break
-            else:
-                msg = f"run {self.url}: other runs kept taking its lease (5 tries)"
-                raise RunLeaseHeldError(f"{msg}: stop them or give another --run-id.")
+            self._hold()
+            try:
+                self._take(me)
+            except BaseException:
+                self._store.unhold()
+                raise
         self.info, self._last_ok = me, time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="run-lease", daemon=True)
         self._thread.start()
         return self
+
+    def _take(self, me: LeaseInfo) -> None:
+        """Write lease `me`, taking over a stale one (5 tries: racers on stores without locks)."""
+        for _ in range(5):
+            seen = self._store.read()
+            if _ours(seen, me.holder):  # ours after all: an earlier read-back came too soon
+                return
+            if seen is None:
+                done = self._store.create(me.to_bytes())
+            else:
+                log.warning("taking over %s: %s", self.lease_url, self._judge(seen))
+                done = self._store.takeover(me.to_bytes(), seen.tag)
+            if done:
+                time.sleep(self._store.settle)
+                if _ours(self._store.read(), me.holder):
+                    return
+        msg = f"run {self.url}: other runs kept taking its lease (5 tries)"
+        raise RunLeaseHeldError(f"{msg}: stop them or give another --run-id.")
 
     def renew(self) -> bool:
         """Renew now; False (after reporting the loss) when the lease is no longer ours."""
         with self._lock:
             if self.info is None or self.lost is not None:
                 return False
-            seen = self._store.read()
-            if _ours(seen, self.info.holder):
-                info = replace(self.info, renewed=time.time())
-                if self._store.renew(info.to_bytes(), seen.tag):
-                    self.info, self._last_ok = info, time.monotonic()
-                    return True
-                seen = self._store.read()  # it changed meanwhile
-        other = seen.info.who() if seen and seen.info else "nobody (it was deleted)"
-        self._lose(f"the lease now belongs to {other}")  # outside the lock: on_lost may release
+            why = self._store.lock_lost()
+            if why is None:
+                seen = self._store.read()
+                if _ours(seen, self.info.holder):
+                    info = replace(self.info, renewed=time.time())
+                    if self._store.renew(info.to_bytes(), seen.tag):
+                        self.info, self._last_ok = info, time.monotonic()
+                        return True
+                    seen = self._store.read()  # it changed meanwhile
+                other = seen.info.who() if seen and seen.info else "nobody (it was deleted)"
+                why = f"the lease now belongs to {other}"
+        self._lose(why)  # outside the lock: on_lost may release
         return False
 
     def _loop(self) -> None:
@@ -368,6 +419,8 @@ class RunLease:
                     self._store.delete(seen.tag)
             except Exception as exc:
                 log.warning("could not release %s (%s); it expires in its ttl", self.lease_url, exc)
+            finally:
+                self._store.unhold()
 
     def __enter__(self) -> RunLease:
         return self.acquire()

@@ -90,6 +90,21 @@ def test_killed_local_holder_on_this_host_is_taken_over_at_once(tmp_path: Path) 
     assert waited < TTL / 2
 
 
+def test_stopped_local_holder_keeps_the_run_past_its_ttl(tmp_path: Path) -> None:
+    # SIGSTOP: alive, not renewing; its flock keeps the run until it dies (then taken at once)
+    url = str(tmp_path / "run")
+    holder = start_holder(url, None)
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        time.sleep(TTL + 0.5)
+        with pytest.raises(RunLeaseHeldError, match=f"pid {holder.pid}.*may be stopped or hung"):
+            RunLease(url, ttl=TTL).acquire()
+    finally:
+        killed_at = kill(holder)
+    with hold_run(url, ttl=TTL):
+        assert time.monotonic() - killed_at < TTL / 2
+
+
 def test_killed_s3_holder_blocks_until_its_lease_expires(s3_bucket, other_machine) -> None:
     url, options = s3_bucket
     url = f"{url}/run"

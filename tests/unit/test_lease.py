@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import filelock
 import pytest
 
 import splitstage.tasks.stage2.lease as lease_module
@@ -192,6 +193,29 @@ def test_deleted_lease_is_reported(tmp_path: Path) -> None:
         (tmp_path / LEASE_NAME).unlink()
         assert lost.wait(2.0)
         assert "nobody (it was deleted)" in lease.lost
+
+
+def test_deleted_lock_file_is_a_lost_lease(tmp_path: Path) -> None:
+    # with its lock file gone, a second run could flock a new one: the holder must know
+    reasons: list[str] = []
+    with hold_run(str(tmp_path), ttl=0.6, on_lost=reasons.append) as lease:
+        (tmp_path / f"{LEASE_NAME}.lock").unlink()
+        assert wait_for(lambda: reasons, timeout=2.0)
+        assert f"{LEASE_NAME}.lock was deleted or replaced" in lease.lost
+    assert reasons == [lease.lost] and os.listdir(tmp_path) == []  # lease removed, lock not ours
+
+
+def test_a_flock_holder_is_never_taken_over_even_with_a_stale_lease(tmp_path: Path) -> None:
+    # a live process holding the flock (stopped, hung) keeps the run however old its lease
+    write_foreign(tmp_path, age=120, ttl=60)
+    holder = filelock.FileLock(str(tmp_path / f"{LEASE_NAME}.lock"), thread_local=False)
+    with holder, pytest.raises(RunLeaseHeldError) as caught:
+        RunLease(str(tmp_path), ttl=60).acquire()
+    message = str(caught.value)
+    assert "\n" not in message and "host otherhost, pid 4242" in message
+    assert "lease renewed 12" in message and "may be stopped or hung" in message  # 120-121 s
+    with hold_run(str(tmp_path)) as lease:  # its flock released: the stale lease is taken over
+        assert read_lease(str(tmp_path)).holder == lease.info.holder
 
 
 def test_renewal_failures_are_reported_once_the_ttl_passes(
