@@ -1,21 +1,23 @@
-"""Which of many local files changed since they were recorded (size and mtime_ns), by one stat
-each: the whole cost of a rerun's check that a data set is unchanged. The check runs in C on
-threads (native_stat, built on first use); without a C compiler it is split over child
-processes (`python -m stat_child`, raw bytes over pipes, no pickle), since os.stat holds the GIL
-between calls so threads do not scale on it. It starts at once and is answered later, so the
-caller can restore the memo's rows meanwhile.
+"""Which of many local files changed since they were recorded (size and mtime_ns), by one os.stat
+each: the whole cost of a rerun's check that a data set is unchanged. From PER_PROCESS files on
+it is split over child processes (`python -m stat_child`, raw bytes over pipes, no pickle):
+os.stat costs ~2 us a file in Python, most of it holding the GIL, so threads do not scale on it
+(2 or 4 threads no faster than one), and pyarrow's C++ listing is slower still (a Python object
+per file). It starts at once and is answered later, so the caller can restore the memo's rows
+meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
 
 import numpy as np
 
-from splitstage.data import native_stat, stat_child
+from splitstage.data import stat_child
 
 log = logging.getLogger(__name__)
 PER_PROCESS = 100_000  # files worth a process of their own (starting one costs ~50 ms)
@@ -41,17 +43,7 @@ class FileCheck:
         self.children: list[tuple[int, subprocess.Popen]] = []
         self.feeders: list[threading.Thread] = []
         self.failure: Exception | None = None
-        self.native: native_stat.NativeStats | None = None
-        count = len(self.sizes)
-        lib = native_stat.library() if count else None
-        if lib is not None:
-            try:
-                threads = native_stat.workers_for(count)
-                self.native = native_stat.start(lib, root, names, count, threads)
-            except Exception as exc:
-                self.failure = exc
-            return
-        processes = stat_processes(count)
+        processes = stat_processes(len(self.sizes))
         if processes > 1:
             try:
                 self._start(processes)
@@ -68,13 +60,6 @@ class FileCheck:
     def changed(self) -> list[int]:
         """The indices of the changed files, in order (a failing child: the whole check again
         in this process, with one warning)."""
-        if self.native is not None and self.failure is None:
-            try:
-                sizes, mtimes, regular = self.native.result()
-                differ = ~regular | (sizes != self.sizes) | (mtimes != self.mtimes)
-                return np.flatnonzero(differ).tolist()
-            except Exception as exc:
-                self.failure = exc
         if self.children and self.failure is None:
             try:
                 return self._collect()
@@ -153,5 +138,9 @@ def _feed(pipe, pieces: list) -> None:
 
 
 def stat_processes(count: int) -> int:
-    """Child processes for the Python check: one per PER_PROCESS files, up to the cores."""
-    return native_stat.workers_for(count, PER_PROCESS, MAX_PROCESSES)
+    """Child processes for the check: one per PER_PROCESS files, up to the cores and
+    MAX_PROCESSES (1: in this process); SPLITSTAGE_STAT_PROCESSES, when set, forces the number."""
+    forced = os.environ.get("SPLITSTAGE_STAT_PROCESSES", "")
+    if forced.isdigit() and int(forced) >= 1:
+        return max(1, min(int(forced), count))
+    return max(1, min(os.cpu_count() or 1, MAX_PROCESSES, count // PER_PROCESS))

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import posixpath
-import stat as stat_mode
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from splitstage.data import native_stat
 from splitstage.data.images import DataError
 from splitstage.splitter import UserError
 from splitstage.storage import urls
@@ -161,12 +159,10 @@ class DataSource:
 
     def _list_local(self, images: Iterable[str] | None) -> dict[str, tuple[int, Any]]:
         """(size, mtime_ns) of every regular file in the folders `images` name (the base when
-        None): names from os.scandir, stats in C on threads where the helper is built."""
+        None): names and stats from os.scandir."""
         root = self.local_root
         folders = {""} if images is None else _folders_of(images)
-        lib = native_stat.library()
         files: dict[str, tuple[int, Any]] = {}
-        names: list[str] = []
         for folder in sorted(folders):
             try:
                 entries = os.scandir(os.path.join(root, folder) if folder else root)
@@ -178,15 +174,10 @@ class DataSource:
                     try:
                         if not entry.is_file():
                             continue
-                        if lib is not None:
-                            names.append(prefix + entry.name)
-                            continue
                         st = entry.stat()
                     except OSError:
                         continue
                     files[prefix + entry.name] = (st.st_size, st.st_mtime_ns)
-        if names:
-            files.update(_stat_local(lib, root, names))
         return files
 
     # ---- reading ---------------------------------------------------------------------------
@@ -291,29 +282,6 @@ def _folders_of(images: Iterable[str]) -> set[str]:
     """posixpath.dirname of every listing key, the common case (relative, as `relative_key`
     leaves it: no '//') without its per-call cost."""
     return {posixpath.dirname(i) if i.startswith("/") else i.rpartition("/")[0] for i in images}
-
-
-def _stat_local(lib, root: str, names: list[str]) -> dict[str, tuple[int, int]]:
-    """(size, mtime_ns) of the regular files among `names` (under `root`), stat-ed in C; with
-    os.stat one by one where the helper fails (a root that went away meanwhile)."""
-    joined = "\0".join(names).encode("utf-8", "surrogateescape")
-    try:
-        started = native_stat.start(
-            lib, root, joined, len(names), native_stat.workers_for(len(names))
-        )
-        sizes, mtimes, regular = started.result()
-    except OSError:
-        found = {}
-        for rel in names:
-            try:
-                st = os.stat(os.path.join(root, rel))
-            except (OSError, ValueError):
-                continue
-            if stat_mode.S_ISREG(st.st_mode):
-                found[rel] = (st.st_size, st.st_mtime_ns)
-        return found
-    columns = zip(names, sizes.tolist(), mtimes.tolist(), regular.tolist(), strict=True)
-    return {rel: (size, mtime) for rel, size, mtime, ok in columns if ok}  # else gone since
 
 
 def _folders_to_list(images: Iterable[str] | None) -> list[str] | None:

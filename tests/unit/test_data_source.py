@@ -178,25 +178,18 @@ def test_listed_folders_are_the_dirnames_of_the_listing_keys(parts):
         assert data_source._folders_of([key]) == {posixpath.dirname(key)}, key
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_local_listing_is_the_same_with_and_without_the_native_stat(tmp_path, monkeypatch, native):
+def test_local_listing_has_regular_files_with_their_os_stat(tmp_path):
     """Regular files only (symlinks followed, broken ones and folders left out), with the sizes
-    and mtimes os.stat gives, by either path."""
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", native)
-    data_source.native_stat.library.cache_clear()
-    try:
-        for rel, body in {"a/x.png": b"12", "a/é y.png": b"345", "top.png": b"6"}.items():
-            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / rel).write_bytes(body)
-        (tmp_path / "a" / "link.png").symlink_to(tmp_path / "top.png")
-        (tmp_path / "a" / "broken.png").symlink_to(tmp_path / "nowhere.png")
-        (tmp_path / "a" / "sub").mkdir()
-        got = DataSource(str(tmp_path)).listing(["a/x.png", "top.png"]).files
-        want = {}
-        for rel in ("a/x.png", "a/é y.png", "a/link.png", "top.png"):
-            stat = os.stat(tmp_path / rel)
-            want[rel] = (stat.st_size, stat.st_mtime_ns)
-        assert got == want
-        assert (data_source.native_stat.library() is not None) == (native == "1")
-    finally:
-        data_source.native_stat.library.cache_clear()
+    and mtimes os.stat gives."""
+    for rel, body in {"a/x.png": b"12", "a/é y.png": b"345", "top.png": b"6"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(body)
+    (tmp_path / "a" / "link.png").symlink_to(tmp_path / "top.png")
+    (tmp_path / "a" / "broken.png").symlink_to(tmp_path / "nowhere.png")
+    (tmp_path / "a" / "sub").mkdir()
+    got = DataSource(str(tmp_path)).listing(["a/x.png", "top.png"]).files
+    want = {}
+    for rel in ("a/x.png", "a/é y.png", "a/link.png", "top.png"):
+        stat = os.stat(tmp_path / rel)
+        want[rel] = (stat.st_size, stat.st_mtime_ns)
+    assert got == want

@@ -192,28 +192,16 @@ def _tree(root: Path, count: int) -> list[str]:
     return sorted(rels)
 
 
-CHECK_PATHS = {  # how the check runs: (SPLITSTAGE_NATIVE_STAT, SPLITSTAGE_STAT_PROCESSES)
-    "native, 1 thread": ("1", "1"),
-    "native, 3 threads": ("1", "3"),
-    "python in-process": ("0", "1"),
-    "python, 2 child processes": ("0", "2"),
+CHECK_PATHS = {  # how the check runs: SPLITSTAGE_STAT_PROCESSES
+    "in process": "1",
+    "2 child processes": "2",
+    "3 child processes": "3",
 }
 
 
-@pytest.fixture(autouse=True)
-def _fresh_native_library():
-    """Tests here switch the native check on and off: later tests see it found afresh."""
-    yield
-    file_stats.native_stat.library.cache_clear()
-
-
 def _check_path(monkeypatch, name: str) -> None:
-    native, workers = CHECK_PATHS[name]
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", native)
-    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", workers)
-    file_stats.native_stat.library.cache_clear()
-    if native == "1":
-        assert file_stats.native_stat.library() is not None, "no C compiler for the native check"
+    monkeypatch.setenv("SPLITSTAGE_STAT_PROCESSES", CHECK_PATHS[name])
+    assert file_stats.stat_processes(1000) == int(CHECK_PATHS[name])
 
 
 @pytest.mark.parametrize("path", sorted(CHECK_PATHS))
@@ -242,8 +230,8 @@ def test_changed_files_finds_every_kind_of_change(tmp_path, monkeypatch, path):
     assert got == [3, 10, 20, 25, 41, 43]  # the link and the root file are as recorded
 
 
-def test_native_check_agrees_with_os_stat_on_odd_names(tmp_path, monkeypatch):
-    """Names the C loop must split as Python does: non-ASCII, spaces, deep and one-level."""
+def test_child_check_agrees_with_the_in_process_one_on_odd_names(tmp_path, monkeypatch):
+    """Names that travel to the children as bytes: non-ASCII, spaces, deep and one-level."""
     rels = sorted(["a/é ü.png", "a/b/c/d/deep.png", "flat.png", "a/b/x y.png", "ü/ß.png"])
     for rel in rels:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -253,55 +241,14 @@ def test_native_check_agrees_with_os_stat_on_odd_names(tmp_path, monkeypatch):
     mtimes = np.array([s.st_mtime_ns for s in stats], dtype=np.int64)
     mtimes[2] += 1
     answers = {}
-    for path in ("native, 3 threads", "python in-process"):
+    for path in ("2 child processes", "in process"):
         _check_path(monkeypatch, path)
         answers[path] = file_stats.changed_files(str(tmp_path), _joined(rels), sizes, mtimes)
     assert answers == {path: [2] for path in answers}
 
 
-def test_no_compiler_means_the_python_check(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", "1")
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_CACHE", str(tmp_path / "build"))
-    monkeypatch.setattr(file_stats.native_stat, "_compiler", lambda: None)
-    file_stats.native_stat.library.cache_clear()
-    rels = _tree(tmp_path / "data", 6)
-    sizes = np.array([os.stat(tmp_path / "data" / r).st_size for r in rels], dtype=np.int64)
-    mtimes = np.array([os.stat(tmp_path / "data" / r).st_mtime_ns for r in rels], np.int64)
-    with caplog.at_level(logging.INFO, logger=file_stats.native_stat.__name__):
-        assert file_stats.changed_files(str(tmp_path / "data"), _joined(rels), sizes, mtimes) == []
-    assert file_stats.native_stat.library() is None
-    assert "no C compiler" in caplog.text
-
-
-def test_a_failing_compiler_means_the_python_check(tmp_path, monkeypatch, caplog):
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\necho 'cc: fatal error: out of memory' >&2\nexit 4\n")
-    broken.chmod(0o755)
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", "1")
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_CACHE", str(tmp_path / "build"))
-    monkeypatch.setattr(file_stats.native_stat, "_compiler", lambda: [str(broken)])
-    file_stats.native_stat.library.cache_clear()
-    with caplog.at_level(logging.INFO, logger=file_stats.native_stat.__name__):
-        assert file_stats.native_stat.library() is None
-    assert "exited 4: cc: fatal error: out of memory" in caplog.text
-    assert list((tmp_path / "build").iterdir()) == []  # no half-built library left behind
-
-
-def test_a_build_folder_others_can_write_is_not_used(tmp_path, monkeypatch, caplog):
-    """A library others could replace is never loaded: the Python check runs instead."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_STAT", "1")
-    monkeypatch.setenv("SPLITSTAGE_NATIVE_CACHE", str(shared))
-    file_stats.native_stat.library.cache_clear()
-    with caplog.at_level(logging.INFO, logger=file_stats.native_stat.__name__):
-        assert file_stats.native_stat.library() is None
-    assert "not this user's alone" in caplog.text and list(shared.iterdir()) == []
-
-
 def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch, caplog):
-    _check_path(monkeypatch, "python, 2 child processes")
+    _check_path(monkeypatch, "2 child processes")
     rels = _tree(tmp_path, 10)
     sizes = np.array([os.stat(tmp_path / r).st_size for r in rels], dtype=np.int64)
     mtimes = np.array([os.stat(tmp_path / r).st_mtime_ns + 1 for r in rels], dtype=np.int64)
@@ -312,14 +259,13 @@ def test_a_failing_child_falls_back_to_checking_in_process(tmp_path, monkeypatch
     assert len(caplog.records) == 1 and "checking here" in caplog.records[0].getMessage()
 
 
-def test_a_missing_root_falls_back_to_checking_in_process(tmp_path, monkeypatch, caplog):
-    """The native check refuses a root it cannot open; the Python check then says every file
-    is gone (a data set folder removed since the memo)."""
-    _check_path(monkeypatch, "native, 1 thread")
+@pytest.mark.parametrize("path", sorted(CHECK_PATHS))
+def test_a_missing_root_means_every_file_changed(tmp_path, monkeypatch, path):
+    """A data set folder removed since the memo: every file is gone, by either path."""
+    _check_path(monkeypatch, path)
     sizes, mtimes = np.array([1, 2], np.int64), np.array([1, 2], np.int64)
-    with caplog.at_level(logging.WARNING, logger=file_stats.__name__):
-        got = file_stats.changed_files(str(tmp_path / "gone"), _joined(["a", "b/c"]), sizes, mtimes)
-    assert got == [0, 1] and "checking here" in caplog.text
+    got = file_stats.changed_files(str(tmp_path / "gone"), _joined(["a", "b/c"]), sizes, mtimes)
+    assert got == [0, 1]
 
 
 def test_restored_index_travels_to_worker_processes(job):
