@@ -196,6 +196,24 @@ class Family:
         """Module names LoRA adapts in `name`: the config's, else the family's defaults."""
         return list(self.config.trainable.lora_target_modules or self.default_lora_targets)
 
+    def check_gradient_checkpointing(self, name: str) -> None:
+        """Refuse, before launch, `train.gradient_checkpointing` for a trained model this family
+        cannot recompute (default: every model); reads the config only, builds nothing."""
+        raise ConfigError(
+            f"train.gradient_checkpointing: the {self.name} family cannot recompute the "
+            f"activations of '{name}'; set train.gradient_checkpointing = false"
+        )
+
+    def enable_gradient_checkpointing(self, name: str, model: nn.Module) -> None:
+        """Make the trained `model` recompute its activations in backward instead of keeping
+        them. Stage 2 calls it before sharding (so it composes with FSDP2 / TP, as torchtitan
+        applies its checkpoint wrappers before `fully_shard`). Default: refuse (one line)."""
+        self.check_gradient_checkpointing(name)
+        raise NotImplementedError(
+            f"the {self.name} family checks gradient checkpointing of '{name}' but does not "
+            "enable it"
+        )
+
     def tp_plan(self, name: str) -> Mapping[str, str] | None:
         """Tensor-parallel plan (FQN pattern -> 'colwise' / 'rowwise') for a model, if any."""
         return self.tp_plans.get(name)
@@ -314,6 +332,22 @@ class Family:
         if resolution is None:
             raise ConfigError(f"the {self.name} family has no image resolution to sample at")
         return resolution[0], resolution[0]
+
+
+def library_checkpointing(model: nn.Module) -> bool:
+    """Turn on a diffusers or transformers model's own gradient checkpointing (non-reentrant
+    `torch.utils.checkpoint` around each block); False when the model has no such switch."""
+    if getattr(model, "_supports_gradient_checkpointing", False) and hasattr(
+        model, "enable_gradient_checkpointing"
+    ):  # diffusers' ModelMixin
+        model.enable_gradient_checkpointing()
+        return True
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(
+        model, "gradient_checkpointing_enable"
+    ):  # transformers' PreTrainedModel
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return True
+    return False
 
 
 def index_shard_paths(index_path: str) -> list[str]:

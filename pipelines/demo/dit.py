@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def sincos_pos_embed_2d(
@@ -199,6 +200,7 @@ class DiT(nn.Module):
         self.norm = OutputNorm(hidden)
         self.proj_out = nn.Linear(hidden, patch_size * patch_size * latent_channels)
         self.register_buffer("pos_embed", torch.empty(self.grid**2, hidden), persistent=False)
+        self.gradient_checkpointing = False  # recompute each block's activations in backward
         self.init_weights()
 
     @torch.no_grad()
@@ -285,8 +287,12 @@ class DiT(nn.Module):
             grid = (latents.shape[2] // self.patch_size, latents.shape[3] // self.patch_size)
         else:
             h, cond, keep = latents, timestep, prompt_emb
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks.values():
-            h = block(h, cond, keep)
+            if recompute:  # keep only the block's inputs; rerun it in backward
+                h = checkpoint(block, h, cond, keep, use_reentrant=False)
+            else:
+                h = block(h, cond, keep)
         if self.proj_out is None:
             return h, cond, keep
         return self._head(h, cond, grid)

@@ -290,6 +290,16 @@ class DemoFamily(Family):
         return flow_euler(guided(velocity, guidance), noise.to(ctx.device), linear_sigmas(steps))
 
     # -- hooks ------------------------------------------------------------------------------------
+    def check_gradient_checkpointing(self, name: str) -> None:
+        """The DiT recomputes its blocks; the text encoder and the VAE cannot."""
+        if name != "dit":
+            super().check_gradient_checkpointing(name)
+
+    def enable_gradient_checkpointing(self, name: str, model: nn.Module) -> None:
+        """Each DiT block runs under `torch.utils.checkpoint` (non-reentrant) when training."""
+        self.check_gradient_checkpointing(name)
+        model.gradient_checkpointing = True
+
     def pp_module_fqns(self, model: nn.Module) -> list[str]:
         """patch_embed, time_embed, text_proj, blocks.0..N-1, norm, proj_out."""
         return dit_module_fqns(len(model.blocks))

@@ -231,6 +231,9 @@ class DiffSynthFamily(Family):
         pipe = self.pipe
         pipe.device = ctx.device
         values = {k: _to(v, ctx.device, pipe.torch_dtype) for k, v in samples[0].items()}
+        # DiffSynth's model_fn wraps each block in torch.utils.checkpoint when asked (the cached
+        # constant is DiffSynth's default, False): the job's switch decides, every step.
+        values["use_gradient_checkpointing"] = self.config.train.gradient_checkpointing
         for slot in self.in_iteration:
             model = ctx.models.get(slot)
             if model is not None and not getattr(model, "diffsynth_absent", False):
@@ -246,6 +249,17 @@ class DiffSynthFamily(Family):
             return call_through(root, lambda: loss_fn(pipe, **values))
 
     # -- hooks -----------------------------------------------------------------------------------
+    def check_gradient_checkpointing(self, name: str) -> None:
+        """DiffSynth's model_fn recomputes the in-iteration models' blocks (its
+        `use_gradient_checkpointing` input); the units' models cannot."""
+        if name not in self.in_iteration:
+            super().check_gradient_checkpointing(name)
+
+    def enable_gradient_checkpointing(self, name: str, model: nn.Module) -> None:
+        """Nothing to set on the model: training_loss passes `use_gradient_checkpointing` from
+        train.gradient_checkpointing to DiffSynth's loss and model_fn."""
+        self.check_gradient_checkpointing(name)
+
     def lora_targets(self, name: str) -> list[str]:
         """The config's targets, else those DiffSynth's examples train for this pipeline."""
         return list(

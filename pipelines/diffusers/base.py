@@ -22,13 +22,19 @@ from splitstage.data.dataset import Row, load_sample
 from splitstage.pipelines.diffusers.component_export import component_folder_files, lora_files
 from splitstage.pipelines.diffusers.components import (
     build_empty,
+    component_class,
     init_buffers,
     load_frozen,
 )
 from splitstage.pipelines.diffusers.folder import PipelineFolder
 from splitstage.pipelines.diffusers.sampling import vae_decode
 from splitstage.pipelines.diffusers.text import load_tokenizer, tokenizer_folder
-from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
+from splitstage.pipelines.family import (
+    ExportRequest,
+    Family,
+    TrainingStep,
+    library_checkpointing,
+)
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline, Unit
 
@@ -266,6 +272,29 @@ class DiffusersFamily(Family):
         return vae_decode(self, decoder, latents)
 
     # -- hooks -----------------------------------------------------------------------------------
+    def check_gradient_checkpointing(self, name: str) -> None:
+        """The component's class has diffusers' (or transformers') checkpointing switch (the
+        UNet, the SD3 / FLUX transformers, CLIP and T5 all do)."""
+        cls = component_class(self.folder.component(name))
+        if not (
+            getattr(cls, "_supports_gradient_checkpointing", False)
+            or getattr(cls, "supports_gradient_checkpointing", False)
+        ):
+            raise ConfigError(
+                f"train.gradient_checkpointing: {cls.__name__} ('{name}' of the {self.name} "
+                "family) has no gradient checkpointing; set train.gradient_checkpointing = false"
+            )
+
+    def enable_gradient_checkpointing(self, name: str, model: nn.Module) -> None:
+        """The model's own switch (`enable_gradient_checkpointing()` / transformers'
+        `gradient_checkpointing_enable`), non-reentrant checkpoints around each block."""
+        self.check_gradient_checkpointing(name)
+        if not library_checkpointing(model):
+            raise ConfigError(
+                f"train.gradient_checkpointing: {type(model).__name__} ('{name}') has no "
+                "gradient checkpointing switch; set train.gradient_checkpointing = false"
+            )
+
     def lora_targets(self, name: str) -> list[str]:
         """The config's targets, else the usual ones of the model: the denoiser's, CLIP's
         attention (q/k/v/out_proj) or T5's (q/k/v/o), as diffusers' training examples adapt."""

@@ -113,6 +113,20 @@ def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.M
     return model
 
 
+def adapt_trained(
+    model: nn.Module, name: str, config: SplitstageConfig, family: Family
+) -> nn.Module:
+    """The trained model before sharding: LoRA or all parameters trained, then gradient
+    checkpointing (before parallelize, so it composes with FSDP2 / TP)."""
+    if name == config.trainable.lora_base_model:
+        model = add_lora(model, config, family)
+    else:
+        model.requires_grad_(True)
+    if config.train.gradient_checkpointing:
+        family.enable_gradient_checkpointing(name, model)
+    return model
+
+
 def build_stage2_models(
     config: SplitstageConfig, plan: JobPlan, dist_info: DistInfo, *, names: list[str] | None = None
 ) -> Stage2Models:
@@ -129,15 +143,14 @@ def build_stage2_models(
             model = family.build_model(name, dist_info.device)
             if name in trained_names:
                 model.requires_grad_(True)
+                if config.train.gradient_checkpointing:
+                    family.enable_gradient_checkpointing(name, model)
                 if mode != "none":
                     parallelize(model, mesh=mesh, mode="ddp" if mode == "ddp" else "fsdp")
             models[name] = model
             continue
         model = family.build_model(name, dist_info.device, meta=True)
-        if name == config.trainable.lora_base_model:
-            model = add_lora(model, config, family)
-        else:
-            model.requires_grad_(True)
+        model = adapt_trained(model, name, config, family)
         parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
         if mode in ("tp", "fsdp+tp"):
             family.tp_prepare(model, tp)

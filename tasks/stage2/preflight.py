@@ -114,6 +114,20 @@ def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
     return check_lora_targets(plan.meta_model(base), base, targets, config.trainable.lora_rank)
 
 
+def check_gradient_checkpointing(config: SplitstageConfig, plan: JobPlan) -> None:
+    """train.gradient_checkpointing: the family can recompute every trained model, and the
+    trainer applies it (the pipeline-parallel trainer builds its stages without it)."""
+    if not config.train.gradient_checkpointing:
+        return
+    if config.train.parallelism == "pp":
+        raise ConfigError(
+            "train.gradient_checkpointing: the pipeline-parallel trainer ('pp') does not "
+            "recompute activations yet; set train.gradient_checkpointing = false or use 'fsdp'"
+        )
+    for name in config.trainable.models():
+        plan.family.check_gradient_checkpointing(name)
+
+
 def check_cache(
     config: SplitstageConfig, plan: JobPlan, data: DataIndex, result: Preflight
 ) -> None:
@@ -329,6 +343,7 @@ def preflight(
     check_layout(config)
     check_models(config, plan)
     targets = check_trainable(config, plan)
+    check_gradient_checkpointing(config, plan)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
     data = index_data_set(config)
