@@ -214,6 +214,11 @@ class Family:
             "enable it"
         )
 
+    def native_weight_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype the family's own settings hold `name`'s weights in (what `train.weight_dtype
+        = 'auto'` keeps for its frozen base), or None: 'auto' is then the compute dtype."""
+        return None
+
     def tp_plan(self, name: str) -> Mapping[str, str] | None:
         """Tensor-parallel plan (FQN pattern -> 'colwise' / 'rowwise') for a model, if any."""
         return self.tp_plans.get(name)
@@ -332,6 +337,19 @@ class Family:
         if resolution is None:
             raise ConfigError(f"the {self.name} family has no image resolution to sample at")
         return resolution[0], resolution[0]
+
+
+def input_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model's inputs are cast to: its frozen weights' (a LoRA's base, held in
+    train.weight_dtype while the adapters stay fp32), else its first parameter's."""
+    first = None
+    for param in model.parameters():
+        if not param.is_floating_point():
+            continue
+        if not param.requires_grad:
+            return param.dtype
+        first = first or param.dtype
+    return first or torch.float32
 
 
 def library_checkpointing(model: nn.Module) -> bool:

@@ -26,7 +26,7 @@ from splitstage.pipelines.demo.text import (
 )
 from splitstage.pipelines.demo.vae import VAEEncoder
 from splitstage.pipelines.demo.weight_files import load_weights, weights_config
-from splitstage.pipelines.family import Family, TrainingStep, require_file
+from splitstage.pipelines.family import Family, TrainingStep, input_dtype, require_file
 from splitstage.pipelines.flow_matching import (
     add_noise,
     flow_matching_target,
@@ -232,7 +232,7 @@ class DemoFamily(Family):
         noise = sample_noise(x0, ctx.generator)
         timestep = sample_timesteps(x0.shape[0], ctx.generator, ctx.device)
         inputs.update(noise=noise, timestep=timestep, latents=add_noise(x0, noise, timestep))
-        dtype = next(ctx.model(self.denoiser, "model_fn").parameters()).dtype
+        dtype = input_dtype(ctx.model(self.denoiser, "model_fn"))
         args = (
             inputs["latents"].to(dtype),
             inputs["timestep"].to(dtype),
@@ -271,7 +271,7 @@ class DemoFamily(Family):
         """Flow-matching Euler from seeded noise, classifier-free guided, in latent space (the
         DiT takes any latent grid of whole patches)."""
         dit = ctx.model(self.denoiser, "sample")
-        dtype = next(dit.parameters()).dtype
+        dtype = input_dtype(dit)
         height, width = self.sample_size(size)
         down = VAEEncoder.downsample
         channels = weights_config(self.model_source("vae").weights)["latent_channels"]

@@ -260,6 +260,10 @@ class DiffSynthFamily(Family):
         train.gradient_checkpointing to DiffSynth's loss and model_fn."""
         self.check_gradient_checkpointing(name)
 
+    def native_weight_dtype(self, name: str) -> torch.dtype | None:
+        """pipeline.torch_dtype, as DiffSynth's loader holds every model (Z-Image needs bf16)."""
+        return DTYPES[self.group.torch_dtype]
+
     def lora_targets(self, name: str) -> list[str]:
         """The config's targets, else those DiffSynth's examples train for this pipeline."""
         return list(

@@ -33,6 +33,7 @@ from splitstage.pipelines.family import (
     ExportRequest,
     Family,
     TrainingStep,
+    input_dtype,
     library_checkpointing,
 )
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
@@ -255,8 +256,8 @@ class DiffusersFamily(Family):
         return model(*step.denoiser_args, **step.denoiser_kwargs, return_dict=False)[0]
 
     def denoiser_dtype(self, ctx: StepContext) -> torch.dtype:
-        """The dtype the denoiser's inputs are cast to (its parameters')."""
-        return next(ctx.model(self.denoiser, "model_fn").parameters()).dtype
+        """The dtype the denoiser's inputs are cast to (its frozen weights', see input_dtype)."""
+        return input_dtype(ctx.model(self.denoiser, "model_fn"))
 
     # -- validation sampling ---------------------------------------------------------------------
     def check_sampling(self) -> None:

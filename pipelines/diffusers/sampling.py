@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from splitstage.pipelines.diffusers.packing import image_ids, pack
+from splitstage.pipelines.family import input_dtype
 from splitstage.pipelines.runtime import StepContext
 from splitstage.pipelines.sampling_common import guided
 
@@ -49,7 +50,7 @@ def unet_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
     """SD / SDXL: scheduler loop over UNet predictions, classifier-free guided; `size` is the
     images' (height, width) in pixels."""
     unet = ctx.model(family.denoiser, "sample")
-    dtype = next(unet.parameters()).dtype
+    dtype = input_dtype(unet)
     scheduler = folder_scheduler(family.folder.index, family.scheduler_config)
     scheduler.set_timesteps(steps)
     count = cond["prompt_embeds"].shape[0]
@@ -78,7 +79,7 @@ def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guid
     from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
     model = ctx.model(family.denoiser, "sample")
-    dtype = next(model.parameters()).dtype
+    dtype = input_dtype(model)
     config = family.scheduler_config
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     count = cond["prompt_embeds"].shape[0]
@@ -119,7 +120,7 @@ def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     model = ctx.model(family.denoiser, "sample")
-    dtype = next(model.parameters()).dtype
+    dtype = input_dtype(model)
     config = family.scheduler_config
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     count = cond["prompt_embeds"].shape[0]

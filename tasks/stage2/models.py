@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family
+from splitstage.tasks.device import pick_dtype
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.distributed import DistInfo, build_mesh
 from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 
 LORA_ADAPTER = "default"
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in WEIGHT_DTYPES.items()}
 
 
 @dataclass
@@ -113,13 +118,48 @@ def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.M
     return model
 
 
+def frozen_base_dtype(
+    config: SplitstageConfig, family: Family, name: str, device: torch.device
+) -> torch.dtype:
+    """The dtype a LoRA-trained model's frozen base is held in: `train.weight_dtype`; 'auto' is
+    the family's own (diffsynth: pipeline.torch_dtype), else the compute dtype of
+    `train.mixed_precision` on this device (fp32 on a CPU unless bf16 is asked for)."""
+    choice = config.train.weight_dtype
+    if choice != "auto":
+        return WEIGHT_DTYPES[choice]
+    native = family.native_weight_dtype(name)
+    return native if native is not None else pick_dtype(config.train.mixed_precision, device)
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Frozen floating parameters and buffers to `dtype`; trainable parameters stay fp32
+    (diffusers' `cast_training_params`) and so do the modules a diffusers / transformers class
+    keeps in fp32 (`_keep_in_fp32_modules`). On a meta model this only changes what `to_empty`
+    allocates, so the base is loaded straight into `dtype` and no fp32 copy of it is made."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for prefix, module in model.named_modules():
+        if keep & set(prefix.split(".")):
+            continue
+        for param in module._parameters.values():
+            if param is None or not param.is_floating_point():
+                continue
+            target = torch.float32 if param.requires_grad else dtype
+            if param.dtype != target:
+                param.data = param.data.to(target)
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                module._buffers[key] = buffer.to(dtype)
+    return model
+
+
 def adapt_trained(
-    model: nn.Module, name: str, config: SplitstageConfig, family: Family
+    model: nn.Module, name: str, config: SplitstageConfig, family: Family, device: torch.device
 ) -> nn.Module:
-    """The trained model before sharding: LoRA or all parameters trained, then gradient
-    checkpointing (before parallelize, so it composes with FSDP2 / TP)."""
+    """The trained model before sharding: LoRA (frozen base in its dtype, adapters fp32) or all
+    parameters trained (fp32 master weights, as built), then gradient checkpointing."""
     if name == config.trainable.lora_base_model:
         model = add_lora(model, config, family)
+        hold_base_in(model, frozen_base_dtype(config, family, name, device))
     else:
         model.requires_grad_(True)
     if config.train.gradient_checkpointing:
@@ -127,10 +167,39 @@ def adapt_trained(
     return model
 
 
+def held_dtypes(name: str, model: nn.Module) -> str:
+    """What a model is held in, for the log: 'dit: frozen base bf16, trained params fp32'."""
+
+    def names(tensors) -> str:
+        found = {DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in tensors if t.is_floating_point()}
+        return "/".join(sorted(found)) or "none"
+
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad] + list(model.buffers())
+    if not trained:
+        return f"{name}: frozen {names(frozen)}"
+    if not any(not p.requires_grad for p in params):
+        return f"{name}: trained params {names(trained)} (full fine-tuning)"
+    return f"{name}: frozen base {names(frozen)}, trained params {names(trained)}"
+
+
+def print_line(line: str) -> None:
+    """A line the launcher streams (rank 0's stdout)."""
+    print(line, flush=True)
+
+
 def build_stage2_models(
-    config: SplitstageConfig, plan: JobPlan, dist_info: DistInfo, *, names: list[str] | None = None
+    config: SplitstageConfig,
+    plan: JobPlan,
+    dist_info: DistInfo,
+    *,
+    names: list[str] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Stage2Models:
-    """Build the stage-2 models (or `names`): frozen ones loaded plainly, trained ones sharded."""
+    """Build the stage-2 models (or `names`): frozen ones loaded plainly, trained ones sharded.
+
+    Logs (`log`, default: print on rank 0) the dtype each model is held in."""
     names = list(names or plan.split.models["stage2"])
     trained_names = [n for n in config.trainable.models() if n in names]
     mode, dp, tp = parallel_mode(config, dist_info.world_size)
@@ -150,7 +219,7 @@ def build_stage2_models(
             models[name] = model
             continue
         model = family.build_model(name, dist_info.device, meta=True)
-        model = adapt_trained(model, name, config, family)
+        model = adapt_trained(model, name, config, family, dist_info.device)
         parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
         if mode in ("tp", "fsdp+tp"):
             family.tp_prepare(model, tp)
@@ -168,6 +237,9 @@ def build_stage2_models(
     for name, model in models.items():
         if name not in trained_names:
             model.eval().requires_grad_(False)
+    if log is not None or dist_info.is_main:
+        for name, model in models.items():
+            (log or print_line)(held_dtypes(name, model))
     return Stage2Models(
         models=models,
         trained=trained_names,

@@ -11,7 +11,9 @@ Order (torchtitan's): build on the meta device -> `tasks.parallelize.parallelize
 Keys are matched on plain-model names: peft's `base_model.model.` prefix and `.base_layer` are
 ignored, and LoRA adapter weights absent from the file get peft's default init (A: kaiming-uniform,
 B: zeros), drawn from a seeded generator so every parallel layout starts identically. File tensors
-of another dtype are cast to the model's dtype.
+of another dtype are cast to the model's dtype, one tensor at a time: a LoRA's frozen base is
+allocated in `train.weight_dtype` on meta before loading, so it is read straight into it and no
+fp32 copy of it stays.
 
 A pretrained weights file (safetensors, a sharded safetensors index, or torch.save, never
 unpickled) checked against a model.
@@ -509,10 +511,12 @@ def _load_broadcast(model: nn.Module, file, targets, report: LoadReport) -> None
     if file is not None:
         for key, (fqn, tensor) in targets.items():
             if key in file.keys:
-                full[fqn] = file.read(key)
-                if full[fqn].dtype != tensor.dtype:
+                source = file.read(key)
+                report.bytes_read += source.numel() * source.element_size()
+                if source.dtype != tensor.dtype:  # cast before the broadcast (a bf16 base: half)
                     report.cast.append(key)
-                report.bytes_read += full[fqn].numel() * full[fqn].element_size()
+                    source = source.to(tensor.dtype)
+                full[fqn] = source
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, full, options=options)
     report.loaded = len(full)

@@ -1,5 +1,5 @@
 """One stage-2 training step in this process, on the real stage-2 build (meta -> LoRA ->
-checkpointing -> load): the demo DiT from small weight files, or a tiny FLUX folder."""
+checkpointing / dtypes -> load): the demo DiT from small weight files, or a tiny FLUX folder."""
 
 from __future__ import annotations
 
@@ -68,11 +68,12 @@ def flux_config(root: Path, **train) -> SplitstageConfig:
     )
 
 
-def trained_model(config: SplitstageConfig):
-    """(plan, the trained model) as stage 2 builds it on one CPU rank."""
+def trained_model(config: SplitstageConfig, lines: list[str] | None = None):
+    """(plan, the trained model) as stage 2 builds it on one CPU rank; log lines to `lines`."""
     plan = make_plan(config)
     name = config.trainable.models()[0]
-    stage2 = build_stage2_models(config, plan, ONE_CPU, names=[name])
+    log = (lambda line: lines.append(line)) if lines is not None else (lambda line: None)
+    stage2 = build_stage2_models(config, plan, ONE_CPU, names=[name], log=log)
     return plan, stage2.models[name]
 
 
