@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The diffsynth family's tests run in a side venv over .venv (README "DiffSynth-Studio pipelines").
+# The diffsynth family's tests run in a side venv over .venv (docs/families/diffsynth.md).
 SIDE := $(VENV)/diffsynth
 SIDE_STAMP := $(SIDE)/.installed
 $(SIDE_STAMP): $(STAMP) infra/diffsynth-env/make-env.sh infra/diffsynth-env/sitecustomize.py

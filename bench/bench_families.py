@@ -40,6 +40,7 @@ from splitstage.config.families import config_class  # noqa: E402
 from splitstage.config.job import config_from_dict  # noqa: E402
 from splitstage.data.digits import write_digits_dataset  # noqa: E402
 from splitstage.data.index import index_data_set  # noqa: E402
+from splitstage.pipelines.draws import Draws  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
 from splitstage.tasks.job_plan import make_plan  # noqa: E402
 from splitstage.tasks.stage2.models import add_lora  # noqa: E402
@@ -249,7 +250,8 @@ class Steps:
         """A step's context: the models, the device, that step's random draws."""
         generator = torch.Generator(self.device).manual_seed(seed)
         settings = self.family.settings()
-        return StepContext(self.models, self.device, generator=generator, settings=settings)
+        draws = Draws.shared(generator)
+        return StepContext(self.models, self.device, draws=draws, settings=settings)
 
     def raw_batch(self) -> dict:
         """The batch decoded from the data set, as unsplit training reads it every step."""

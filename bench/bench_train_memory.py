@@ -95,6 +95,7 @@ def one_case(folder: Path, size: int, batch: int, steps: int, train: dict) -> di
     """Build the model as stage 2 does, run `steps` + 1 updates; figures of this process."""
     import torch
 
+    from splitstage.pipelines.draws import Draws
     from splitstage.pipelines.runtime import StepContext
     from splitstage.tasks.job_plan import make_plan
     from splitstage.tasks.stage2.distributed import DistInfo
@@ -127,7 +128,7 @@ def one_case(folder: Path, size: int, batch: int, steps: int, train: dict) -> di
         ctx = StepContext(
             {"transformer": model},
             dist.device,
-            torch.Generator().manual_seed(step),
+            Draws.shared(torch.Generator().manual_seed(step)),
             family.settings(),
         )
         start = time.perf_counter()

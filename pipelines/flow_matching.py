@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitstage.pipelines.draws import Draws
+
 
 def sample_timesteps(
     batch: int,
-    generator: torch.Generator | None = None,
+    draws: Draws,
     device: torch.device | str | None = None,
     *,
     distribution: str = "uniform",
@@ -16,21 +18,18 @@ def sample_timesteps(
     std: float = 1.0,
 ) -> torch.Tensor:
     """Timesteps [batch] in [0,1]: "uniform" or "logit_normal" (sigmoid of N(mean, std))."""
-    gen_device = generator.device if generator is not None else device
     if distribution == "uniform":
-        t = torch.rand(batch, generator=generator, device=gen_device)
+        t = draws.rand(batch)
     elif distribution == "logit_normal":
-        t = torch.sigmoid(torch.randn(batch, generator=generator, device=gen_device) * std + mean)
+        t = torch.sigmoid(draws.randn((batch,)) * std + mean)
     else:
         raise ValueError(f"distribution must be 'uniform' or 'logit_normal', got {distribution!r}")
     return t.to(device) if device is not None else t
 
 
-def sample_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Gaussian noise shaped like `like`, drawn on the generator's device, moved to like's."""
-    gen_device = generator.device if generator is not None else like.device
-    noise = torch.randn(like.shape, generator=generator, device=gen_device, dtype=torch.float32)
-    return noise.to(device=like.device, dtype=like.dtype)
+def sample_noise(like: torch.Tensor, draws: Draws) -> torch.Tensor:
+    """Gaussian noise shaped like `like` (per sample) on like's device and dtype."""
+    return draws.randn(like.shape).to(device=like.device, dtype=like.dtype)
 
 
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from splitstage.pipelines.draws import Draws
 from splitstage.splitter import Unit, UserError
 
 
@@ -17,11 +18,12 @@ class UnitRunError(UserError, RuntimeError):
 
 @dataclass
 class StepContext:
-    """What a unit needs besides its params: loaded models, device, per-step randomness."""
+    """What a unit needs besides its params: loaded models, device, per-step randomness (drawn
+    per sample, see pipelines.draws)."""
 
     models: Mapping[str, torch.nn.Module]
     device: torch.device
-    generator: torch.Generator | None = None
+    draws: Draws = field(default_factory=Draws.shared)
     settings: Mapping[str, Any] = field(default_factory=dict)
 
     def model(self, name: str, unit: str) -> torch.nn.Module:

@@ -5,7 +5,7 @@ text-to-video (WanModel, WanTextEncoder, a small Wan VAE), written as safetensor
 DiffSynth's own loader reads. The small classes reuse DiffSynth's blocks; units hard-code 16 latent
 channels and an 8x downsample, which the VAEs keep. `register_entries(...)` gives the
 `[pipeline] register_models` entries (the hash is computed by DiffSynth from the file). Needs
-diffsynth installed (the side environment, see README "DiffSynth-Studio pipelines").
+diffsynth installed (the side environment, see docs/families/diffsynth.md).
 """
 
 from __future__ import annotations

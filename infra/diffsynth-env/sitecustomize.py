@@ -3,7 +3,7 @@
 The CUDA torchvision wheel that matches torch 2.13 cannot load its ops next to a CPU torch
 ("operator torchvision::nms does not exist"). DiffSynth imports torchvision but needs only its
 pure-Python transforms; defining the two schemas lets `import torchvision` succeed. Never install
-this into the main environment (see README "DiffSynth-Studio pipelines").
+this into the main environment (see docs/families/diffsynth.md).
 """
 
 import torch.library

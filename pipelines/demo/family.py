@@ -86,7 +86,7 @@ def drop_captions(
     """Per step, swap each prompt for the empty prompt with probability caption_dropout."""
     chance = ctx.settings["caption_dropout"]
     count = prompt_emb.shape[0]
-    draw = torch.rand(count, generator=ctx.generator, device=ctx.generator.device)
+    draw = ctx.draws.rand(count)
     drop = (draw < chance).to(prompt_emb.device)
     emb = torch.where(drop[:, None, None], empty_prompt_emb.to(prompt_emb), prompt_emb)
     mask = torch.where(drop[:, None], empty_prompt_mask.to(prompt_mask), prompt_mask)
@@ -229,8 +229,8 @@ class DemoFamily(Family):
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
         """Flow matching: fresh noise, then timesteps, every step; velocity target."""
         x0 = inputs["input_latents"].to(ctx.device, torch.float32)
-        noise = sample_noise(x0, ctx.generator)
-        timestep = sample_timesteps(x0.shape[0], ctx.generator, ctx.device)
+        noise = sample_noise(x0, ctx.draws)
+        timestep = sample_timesteps(x0.shape[0], ctx.draws, ctx.device)
         inputs.update(noise=noise, timestep=timestep, latents=add_noise(x0, noise, timestep))
         dtype = input_dtype(ctx.model(self.denoiser, "model_fn"))
         args = (

@@ -26,7 +26,7 @@ PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
 }
 INSTALL_HINT = (
     "pip install 'splitstage[diffsynth]' (on a GPU also the torchvision build matching your torch; "
-    "see README 'DiffSynth-Studio pipelines')"
+    "see docs/families/diffsynth.md)"
 )
 
 

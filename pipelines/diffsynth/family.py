@@ -4,7 +4,7 @@ Its units are the pipeline's own `.units`, run through DiffSynth's `pipe.unit_ru
 `pipeline_units.py`); the plan is `adapter.pipeline_from_diffsynth` of the same object, so it
 equals DiffSynth's `split_pipeline_units`. The training loss is DiffSynth's `FlowMatchSFTLoss`
 called on the pipeline with the in-iteration models of this step, its global-RNG draws (timestep,
-noise) seeded from the step's generator. DiffSynth trains one sample per step: train.batch_size
+noise) seeded from the sample's draws. DiffSynth trains one sample per step: train.batch_size
 must be 1 (use train.gradient_accumulation_steps for more samples per update).
 """
 
@@ -239,7 +239,7 @@ class DiffSynthFamily(Family):
             if model is not None and not getattr(model, "diffsynth_absent", False):
                 setattr(pipe, slot, model)
         loss_fn = diffsynth_module("diffsynth.diffusion.loss").FlowMatchSFTLoss
-        seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator))
+        seed = int(ctx.draws.randint(2**62, 1))  # one sample per step (checked at launch)
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         # The pipeline's torch_dtype decides precision, as in DiffSynth: no autocast on top.
         autocast_off = torch.autocast(ctx.device.type, enabled=False)

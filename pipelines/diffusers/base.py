@@ -67,9 +67,7 @@ def make_latent_sampler(scaling: float, shift: float):
         z = latent_mean.float()
         if latent_logvar is not None:
             std = torch.exp(0.5 * latent_logvar.float().clamp(-30.0, 20.0))
-            gen = ctx.generator
-            draw = torch.randn(z.shape, generator=gen, device=gen.device if gen else z.device)
-            z = z + std * draw.to(z.device)
+            z = z + std * ctx.draws.randn(z.shape, device=z.device)
         return {"input_latents": (z - shift) * scaling}
 
     return sample_latents
@@ -80,8 +78,7 @@ def drop_captions(ctx: StepContext, **params: torch.Tensor) -> dict[str, Any]:
     chance = ctx.settings["caption_dropout"]
     names = [name for name in params if not name.startswith("empty_")]
     count = params[names[0]].shape[0]
-    gen = ctx.generator
-    draw = torch.rand(count, generator=gen, device=gen.device if gen else "cpu")
+    draw = ctx.draws.rand(count)
     out = {}
     for name in names:
         value, empty = params[name], params[f"empty_{name}"]

@@ -1,8 +1,8 @@
 """The two training recipes of diffusers' examples: DDPM for UNets, flow matching for MMDiTs.
 
-Both draw everything random from the step's generator (noise, then timesteps), so split and
-unsplit training with one seed see the same draws. Timestep densities, SNR and loss weightings
-are diffusers' own `training_utils` functions.
+Both draw everything random per sample from the step's draws (noise, then timesteps), so split
+and unsplit training with one seed see the same draws, however the batch is cut. Timestep
+densities, SNR and loss weightings are diffusers' own `training_utils` functions.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ import torch
 from splitstage.config.job import ConfigError
 from splitstage.pipelines.flow_matching import sample_noise
 from splitstage.pipelines.runtime import StepContext
-
-
-def _gen_device(ctx: StepContext, like: torch.Tensor) -> torch.device:
-    return ctx.generator.device if ctx.generator is not None else like.device
 
 
 def ddpm_scheduler(config: dict[str, Any]):
@@ -49,14 +45,12 @@ def prediction_type(settings: dict[str, Any], scheduler) -> str:
 def ddpm_draw(ctx: StepContext, x0: torch.Tensor, scheduler) -> dict[str, torch.Tensor]:
     """Noise (with the noise offset), uniform integer timesteps, noisy latents, target, weight."""
     settings = ctx.settings
-    device = _gen_device(ctx, x0)
-    noise = sample_noise(x0, ctx.generator)
+    noise = sample_noise(x0, ctx.draws)
     if settings["noise_offset"]:
-        offset = torch.randn((*x0.shape[:2], 1, 1), generator=ctx.generator, device=device)
+        offset = ctx.draws.randn((*x0.shape[:2], 1, 1))
         noise = noise + settings["noise_offset"] * offset.to(noise)
     steps = scheduler.config.num_train_timesteps
-    timesteps = torch.randint(0, steps, (x0.shape[0],), generator=ctx.generator, device=device)
-    timesteps = timesteps.to(x0.device)
+    timesteps = ctx.draws.randint(steps, x0.shape[0], device=x0.device)
     latents = scheduler.add_noise(x0, noise, timesteps)
     kind = prediction_type(settings, scheduler)
     target = noise if kind == "epsilon" else scheduler.get_velocity(x0, noise, timesteps)
@@ -88,15 +82,18 @@ def flow_draw(ctx: StepContext, x0: torch.Tensor, scheduler) -> dict[str, torch.
     )
 
     settings = ctx.settings
-    noise = sample_noise(x0, ctx.generator)
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme=settings["weighting_scheme"],
-        batch_size=x0.shape[0],
-        logit_mean=settings["logit_mean"],
-        logit_std=settings["logit_std"],
-        mode_scale=settings["mode_scale"],
-        device=_gen_device(ctx, x0),
-        generator=ctx.generator,
+    noise = sample_noise(x0, ctx.draws)
+    u = ctx.draws.each(
+        x0.shape[0],
+        lambda generator, rows: compute_density_for_timestep_sampling(
+            weighting_scheme=settings["weighting_scheme"],
+            batch_size=rows,
+            logit_mean=settings["logit_mean"],
+            logit_std=settings["logit_std"],
+            mode_scale=settings["mode_scale"],
+            device=ctx.draws.device,
+            generator=generator,
+        ),
     )
     count = scheduler.config.num_train_timesteps
     indices = (u.cpu() * count).long().clamp(0, count - 1)

@@ -247,7 +247,7 @@ class TrainConfig(Group):
     lr_scheduler_args: dict[str, OptionValue] = Field(
         default_factory=dict,
         description="Extra schedule arguments: num_cycles (cosine_with_restarts), power "
-        "(polynomial), lr_end (polynomial).",
+        "(polynomial).",
     )
     max_grad_norm: float | None = Field(
         None, gt=0, description="Clip the global gradient norm to this; default: no clipping."

@@ -20,6 +20,8 @@ from splitstage.tasks.cache.batch_plan import EpochPlan, Position, group_members
 from splitstage.tasks.cache.reader import CacheDataset
 from splitstage.tasks.cache.store import CacheStore
 
+Keyed = tuple[list[str], dict[str, Any]]  # a batch with its sample keys (they seed its draws)
+
 
 class PlannedBatches:
     """What both sources share: the epoch plan over (sorted keys, group of each key)."""
@@ -133,10 +135,10 @@ class CachedBatches(PlannedBatches):
         labels = self.dataset.group_labels
         return {labels[int(self.groups[m[0]])]: len(m) for m in group_members(self.groups)}
 
-    def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[dict[str, Any]]:
-        """This rank's batches of `epoch` after `position`, prefetched."""
+    def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[Keyed]:
+        """This rank's (sample keys, batch) pairs of `epoch` after `position`, prefetched."""
         return self.dataset.iterate_keys(
-            self.rank_keys(epoch, position), prefetch=self.config.train.prefetch
+            self.rank_keys(epoch, position), prefetch=self.config.train.prefetch, with_keys=True
         )
 
 
@@ -163,8 +165,9 @@ class RawBatches(PlannedBatches):
         """Samples per image size."""
         return {f"group {g}": int(n) for g, n in enumerate(np.bincount(self.groups))}
 
-    def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[dict[str, Any]]:
-        """This rank's batches of `epoch` after `position`, in the cache's order."""
+    def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[Keyed]:
+        """This rank's (sample keys, batch) pairs of `epoch` after `position`, in the cache's
+        order."""
         base = self.config.data.base_path
         for keys in self.rank_keys(epoch, position):
-            yield collate_samples([self.family.load_sample(self.rows[k], base) for k in keys])
+            yield keys, collate_samples([self.family.load_sample(self.rows[k], base) for k in keys])

@@ -43,10 +43,11 @@ def export_weights(
     spec: dict[str, Any],
     states: dict[str, dict[str, torch.Tensor]] | None = None,
     steps: int = 0,
+    suffix: str = "",
 ) -> dict:
     """Write each trained model's export files (the family's layout) into the output folder;
     returns {label: URL} (rank 0). `states` (gathered on rank 0 by the caller) replaces
-    `trained_state`."""
+    `trained_state`; `suffix` names another set of the same files (`_ema`: `x_ema.safetensors`)."""
     states = trained_state(stage2) if states is None else states
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
@@ -58,6 +59,16 @@ def export_weights(
     for name, state in states.items():
         plain = {key.replace(f".{LORA_ADAPTER}.", "."): t for key, t in state.items()}
         for label, (file_name, data) in family.export_files(name, plain, request).items():
+            file_name = with_suffix(file_name, suffix)
             write_atomic(fs, join(root, file_name), data)
-            written[label] = f"{url.rstrip('/')}/{file_name}"
+            written[label + suffix] = f"{url.rstrip('/')}/{file_name}"
     return written
+
+
+def with_suffix(file_name: str, suffix: str) -> str:
+    """`dit_lora.safetensors` + `_ema` -> `dit_lora_ema.safetensors` (folders kept)."""
+    if not suffix:
+        return file_name
+    folder, _, base = file_name.rpartition("/")
+    stem, dot, extension = base.partition(".")
+    return f"{folder + '/' if folder else ''}{stem}{suffix}{dot}{extension}"

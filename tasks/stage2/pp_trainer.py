@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family, TrainingStep, family_for
-from splitstage.pipelines.runtime import StepContext, run_units
+from splitstage.pipelines.runtime import run_units
 from splitstage.splitter import (
     StageAssignmentError,
     assign_stages,
@@ -34,7 +34,7 @@ from splitstage.splitter import (
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, add_lora
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
-from splitstage.tasks.stage2.trainer import Trainer, step_generator, to_device
+from splitstage.tasks.stage2.trainer import Trainer, to_device
 
 STAGES = "train.nnodes * train.nproc_per_node"
 
@@ -162,16 +162,11 @@ class PipelineTrainer(Trainer):
         """The family's loss of one microbatch, scaled so the summed grads are the batch mean's."""
         return self.family.loss(output, TrainingStep((), target)) / self.grad_scale
 
-    def micro_step(self, batch: dict[str, Any], batch_index: int) -> torch.Tensor:
-        """All ranks run V1 and draw the step alike; the schedule runs forward and backward."""
+    def micro_step(self, batch: dict[str, Any], keys: list[str], epoch: int) -> torch.Tensor:
+        """All ranks run V1 and draw the step alike (one data stream for the whole pipeline:
+        the same keys, so the same per-sample draws); the schedule runs forward and backward."""
         device = self.dist.device
-        ctx = StepContext(
-            models=self.stage2.models,
-            device=device,
-            # One data stream for the whole pipeline: every stage draws the same noise/timesteps.
-            generator=step_generator(self.config.job.seed, 0, batch_index, device),
-            settings=self.family.settings(),
-        )
+        ctx = self.step_context(keys, epoch)
         inputs = to_device(batch, device)
         losses: list[torch.Tensor] = []
         with self.accelerator.autocast():
@@ -187,6 +182,10 @@ class PipelineTrainer(Trainer):
             return torch.zeros((), device=device)
         accum = self.config.train.gradient_accumulation_steps
         return torch.stack(losses).detach().sum() * accum  # mean microbatch loss, unscaled
+
+    def gradient_group(self) -> dist.ProcessGroup | None:
+        """Every stage holds other parameters: the global gradient norm sums over all of them."""
+        return dist.group.WORLD
 
     def mean_across_ranks(self, value: torch.Tensor) -> float:
         """The last stage's loss on every rank (only the last stage computes one)."""

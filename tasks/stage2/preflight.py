@@ -29,6 +29,7 @@ from splitstage.tasks.stage1.validation_prompts import read_validation_prompts
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
+from splitstage.tasks.stage2.optimization import check_update_rule
 from splitstage.tasks.stage2.outputs import open_output, output_storage_options
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
@@ -341,6 +342,7 @@ def preflight(
     checks. Without `paths` (`splitstage validate`) a cache that is not ready is a warning."""
     result = Preflight()
     check_layout(config)
+    check_update_rule(config.train)
     check_models(config, plan)
     targets = check_trainable(config, plan)
     check_gradient_checkpointing(config, plan)

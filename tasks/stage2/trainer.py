@@ -19,6 +19,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.batch_plan import Position
@@ -31,6 +32,13 @@ from splitstage.tasks.stage2.distributed import DistInfo, init_distributed
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.faults import crash, injected_fault
 from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
+from splitstage.tasks.stage2.optimization import (
+    TrainedAverage,
+    apply_config_to_groups,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+)
 from splitstage.tasks.stage2.tracking import Tracking, tracker_names
 from splitstage.tasks.stage2.validation import Validator
 
@@ -61,13 +69,6 @@ def require_finite(params: list[torch.nn.Parameter], device: torch.device) -> No
             "the trained weights hold NaN or infinite values: nothing was exported; lower "
             "train.learning_rate or check the data"
         )
-
-
-def step_generator(seed: int, rank: int, batch_index: int, device: torch.device) -> torch.Generator:
-    """Per-step randomness (noise, timesteps, dropout) from (seed, rank, batch): resumable."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(((seed * 1_000_003 + rank) * 1_000_033 + batch_index) % 2**63)
-    return generator
 
 
 def check_same_split(plan: JobPlan, launcher_split: dict[str, Any] | None) -> None:
@@ -157,13 +158,7 @@ class Trainer:
             raise ConfigError(
                 "no parameter requires gradients: set trainable.full or trainable.lora_base_model"
             )
-        self.optimizer = torch.optim.AdamW(
-            params, lr=train.learning_rate, weight_decay=train.weight_decay
-        )
-        warmup = train.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.optimizer = build_optimizer(params, train)
         self.prepared_optimizer = self.accelerator.prepare(self.optimizer)
         steps_per_epoch = self.source.steps_per_epoch()
         if steps_per_epoch < train.gradient_accumulation_steps:  # preflight refuses this first
@@ -181,6 +176,10 @@ class Trainer:
             train.gradient_accumulation_steps * train.batch_size * self.stage2.dp_size
         )
         self.total_updates = self.planned_updates(0, 0, 0)
+        self.scheduler = build_scheduler(self.optimizer, train, self.total_updates)
+        self.average = (
+            TrainedAverage(params, train.ema.decay, train.ema.start_update) if train.ema else None
+        )
         self.checkpoint_url = spec["checkpoint_url"]
         self.run_dir = Path(spec["run_dir"])
         self.losses: list[float] = []
@@ -192,17 +191,20 @@ class Trainer:
         return build_stage2_models(self.config, self.plan, self.dist, names=names)
 
     # -- one update ----------------------------------------------------------------------------
-    def micro_step(self, batch: dict[str, Any], batch_index: int) -> torch.Tensor:
-        """V1 units then the loss on one batch; backward through the trained weights."""
-        ctx = StepContext(
+    def step_context(self, keys: list[str], epoch: int) -> StepContext:
+        """The models, device and settings of a step, and its draws: per sample, from (seed,
+        sample key, epoch), so the tensor-parallel ranks of a replica draw alike and no draw
+        depends on how the batch is cut over ranks and micro-batches."""
+        return StepContext(
             models=self.stage2.models,
             device=self.dist.device,
-            # Same draws on the tensor-parallel ranks of one replica, different across replicas.
-            generator=step_generator(
-                self.config.job.seed, self.stage2.dp_rank, batch_index, self.dist.device
-            ),
+            draws=Draws.per_sample(self.config.job.seed, keys, epoch, self.dist.device),
             settings=self.family.settings(),
         )
+
+    def micro_step(self, batch: dict[str, Any], keys: list[str], epoch: int) -> torch.Tensor:
+        """V1 units then the loss on one batch; backward through the trained weights."""
+        ctx = self.step_context(keys, epoch)
         inputs = to_device(batch, self.dist.device)
         with self.accelerator.autocast():
             run_units(self.units, ctx, inputs)
@@ -211,6 +213,32 @@ class Trainer:
         # of that division, so the accumulated gradient is the mean over the micro-batches.
         self.accelerator.backward(loss)
         return loss.detach()
+
+    def update_weights(self) -> float:
+        """One update from the accumulated gradients: clip (`train.max_grad_norm`), step the
+        optimizer and the schedule, fold into the EMA; returns the pre-clip gradient norm."""
+        self.accelerator.unscale_gradients(self.prepared_optimizer)  # fp16: real gradients
+        params = self.stage2.parameters()
+        grad_norm = clip_gradients(params, self.config.train.max_grad_norm, self.gradient_group())
+        self.prepared_optimizer.step()
+        self.prepared_optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.average is not None:
+            self.average.step()
+        return grad_norm
+
+    def gradient_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding other parameters whose gradients join the global norm (none: DDP
+        replicas hold the same gradients; FSDP/TP shards are DTensors torch reduces)."""
+        return None
+
+    def validate(self, update: int) -> None:
+        """Validation samples now, from the EMA weights when [train.ema] asks for it."""
+        ema = self.config.train.ema
+        if self.average is not None and ema is not None and ema.use_for_validation:
+            self.average.swapped_in(lambda: self.validator.run(update))
+        else:
+            self.validator.run(update)
 
     def mean_across_ranks(self, value: torch.Tensor) -> float:
         """The loss averaged over ranks, for logging."""
@@ -241,6 +269,7 @@ class Trainer:
             [self.optimizer],
             {
                 "scheduler": self.scheduler.state_dict(),
+                "ema": self.average.state_dict() if self.average else None,
                 "update": update,
                 "epoch": epoch,
                 "offset": offset,
@@ -263,8 +292,13 @@ class Trainer:
         extra = load_checkpoint(
             self.checkpoint_url, step, model, [self.optimizer], storage_options=options
         )
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.apply_optimizer_settings()
+        done = int(extra["scheduler"]["last_epoch"])  # updates the schedule has taken
+        apply_config_to_groups(self.optimizer, self.config.train)
+        self.scheduler = build_scheduler(
+            self.optimizer, self.config.train, self.total_updates, done
+        )
+        if self.average is not None and extra.get("ema") is not None:
+            self.average.load_state_dict(extra["ema"])
         self.losses = list(extra.get("losses", []))
         self.log(f"resumed from checkpoint step {step}")
         update = int(extra["update"])
@@ -274,37 +308,25 @@ class Trainer:
         epoch, in_epoch = divmod(update, self.updates_per_epoch)  # written before offsets
         return update, epoch, in_epoch * self.samples_per_update
 
-    def apply_optimizer_settings(self) -> None:
-        """After a resume, the config's learning rate, weight decay and warmup hold from here on
-        (the checkpoint's would otherwise stay silently; preflight said what changed)."""
-        train = self.config.train
-        self.scheduler.base_lrs = [train.learning_rate for _ in self.optimizer.param_groups]
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        for group in self.optimizer.param_groups:
-            group.update(
-                initial_lr=train.learning_rate,
-                lr=train.learning_rate * factor,
-                weight_decay=train.weight_decay,
-            )
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-
     # -- the loop ---------------------------------------------------------------------------------
     def log(self, line: str) -> None:
         """Rank 0 prints a line the launcher streams (and Prefect shows)."""
         if self.dist.is_main:
             print(line, flush=True)
 
-    def record(self, update: int, loss: float, seconds: float) -> None:
+    def record(self, update: int, loss: float, grad_norm: float, seconds: float) -> None:
         """Append one update's figures to metrics.jsonl (rank 0)."""
         self.losses.append(loss)
         self.step_seconds.append(seconds)
         if self.dist.is_main:
             lr = self.scheduler.get_last_lr()[0]
             with (self.run_dir / "metrics.jsonl").open("a") as handle:
-                handle.write(json.dumps({"update": update, "loss": loss, "lr": lr, "s": seconds}))
+                figures = {"update": update, "loss": loss, "grad_norm": grad_norm, "lr": lr}
+                handle.write(json.dumps({**figures, "s": seconds}))
                 handle.write("\n")
             rate = self.samples_per_update / seconds if seconds > 0 else 0.0
-            self.tracking.scalars(update, {"loss": loss, "lr": lr, "samples_per_s": rate})
+            scalars = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": rate}
+            self.tracking.scalars(update, scalars)
 
     def run(self) -> dict[str, Any]:
         """Train from the latest checkpoint to the end, then export the weights (rank 0)."""
@@ -321,19 +343,16 @@ class Trainer:
                 epoch, offset = epoch + 1, 0
                 continue
             start = offset
-            for micro, batch in enumerate(self.source.iterate(epoch, start)):
+            for micro, (keys, batch) in enumerate(self.source.iterate(epoch, start)):
                 if micro % accum == 0:
                     t0 = time.perf_counter()
                     update_loss = torch.zeros((), device=self.dist.device)
-                batch_index = update * accum + micro % accum
                 model = self.trained_models()[0]
-                with self.accelerator.accumulate(model):
-                    update_loss += self.micro_step(batch, batch_index).float()
-                    self.prepared_optimizer.step()
-                    self.prepared_optimizer.zero_grad(set_to_none=True)
-                if (micro + 1) % accum:
+                with self.accelerator.accumulate(model):  # no_sync until the last micro-batch
+                    update_loss += self.micro_step(batch, keys, epoch).float()
+                if not self.accelerator.sync_gradients:  # accelerate owns the cadence
                     continue
-                self.scheduler.step()
+                grad_norm = self.update_weights()
                 update += 1
                 this_epoch, offset = epoch, self.source.position_after(epoch, start, micro + 1)
                 epoch_done = (micro + 1) // accum >= left
@@ -345,7 +364,7 @@ class Trainer:
                 mean = self.mean_across_ranks(update_loss / accum)  # over micro-batches, ranks
                 if not math.isfinite(mean):
                     raise TrainingDivergedError(self.diverged(update, mean))
-                self.record(update, mean, seconds)
+                self.record(update, mean, grad_norm, seconds)
                 if update % train.log_every == 0 or update == self.total_updates:
                     self.log(
                         f"update {update}/{self.total_updates} epoch {this_epoch} loss {mean:.5f} "
@@ -354,7 +373,7 @@ class Trainer:
                 if update % train.checkpoint_every == 0 or update == self.total_updates:
                     self.save(update, epoch, offset)
                 if self.validator.due(update, self.total_updates):
-                    self.validator.run(update)
+                    self.validate(update)
                 if update >= self.total_updates or epoch_done:
                     break
         elapsed = time.perf_counter() - started
@@ -399,9 +418,21 @@ class Trainer:
     def export(self) -> dict[str, str]:
         """Write the trained weights (collective); rank 0 gets their URLs."""
         require_finite(self.stage2.parameters(), self.dist.device)
-        return export_weights(
+        written = export_weights(
             self.config, self.family, self.stage2, self.spec, steps=self.total_updates
         )
+        if self.average is not None:  # the average beside the weights, in the same formats
+            written |= self.average.swapped_in(
+                lambda: export_weights(
+                    self.config,
+                    self.family,
+                    self.stage2,
+                    self.spec,
+                    steps=self.total_updates,
+                    suffix="_ema",
+                )
+            )
+        return written
 
     def trained_models(self) -> list[torch.nn.Module]:
         """The modules being trained."""

@@ -20,15 +20,15 @@ from diffsynth.diffusion.loss import FlowMatchSFTLoss
 from safetensors.torch import load_file
 
 from splitstage.config.job import config_from_dict
-from splitstage.data.dataset import load_metadata
 from splitstage.data.digits import write_digits_dataset
+from splitstage.data.index import index_data_set
 from splitstage.pipelines.diffsynth.loader import pipeline_class
+from splitstage.pipelines.draws import Draws
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.distributed import DistInfo
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
-from splitstage.tasks.stage2.trainer import step_generator
 from splitstage.tiny_diffsynth import nan_filled_empty, write_tiny_models
 
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "DIFFSYNTH_SKIP_DOWNLOAD": "True"}
@@ -97,13 +97,12 @@ def job_group(name: str, info: dict):
     return type("Group", (), {"pipeline_class": name})()
 
 
-def reference_loss(config, name: str, info: dict, batch_index: int, key_order: int) -> float:
-    """DiffSynth's unsplit training step: its units over shared/posi/nega, then its loss, with
-    the global RNG seeded as splitstage seeds its own draw for this step."""
+def reference_loss(config, name: str, info: dict, key: str, row: dict) -> float:
+    """DiffSynth's unsplit training step on one row: its units over shared/posi/nega, then its
+    loss, with the global RNG seeded as splitstage seeds its own draw for this sample (epoch 0)."""
     plan = make_plan(config)
     family = plan.family
-    rows = load_metadata(config.data.base_path)
-    sample = family.load_sample(rows[key_order], config.data.base_path)
+    sample = family.load_sample(row, config.data.base_path)
     posi = {"prompt": sample.pop("prompt")}
     nega = {"negative_prompt": sample.pop("negative_prompt")}
     shared = {k: v for k, v in sample.items() if v is not None}
@@ -112,8 +111,7 @@ def reference_loss(config, name: str, info: dict, batch_index: int, key_order: i
     with torch.no_grad():
         for unit in pipe.units:
             inputs = pipe.unit_runner(unit, pipe, *inputs)
-    generator = step_generator(SEED, 0, batch_index, torch.device("cpu"))
-    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    torch.manual_seed(int(Draws.per_sample(SEED, [key], epoch=0).randint(2**62, 1)))
     with torch.no_grad():
         return float(FlowMatchSFTLoss(pipe, **inputs[0], **inputs[1]))
 
@@ -199,7 +197,8 @@ def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(root, regi
     metrics = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").open()]
     assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
     # The first update trained on the first key of the epoch order: find which row it was.
-    expected = [reference_loss(config, name, info, 0, i) for i in range(2)]
+    data = index_data_set(config)
+    expected = [reference_loss(config, name, info, k, r) for k, r in zip(data.keys, data.rows)]
     first = metrics[0]["loss"]
     assert min(abs(first - e) for e in expected) <= 1e-6 * max(1.0, abs(first)), (first, expected)
     lora = Path(result.outputs["dit"])

@@ -11,6 +11,7 @@ from splitstage.config.job import SplitstageConfig, config_from_dict
 from splitstage.pipelines.demo.dit import DiT
 from splitstage.pipelines.demo.vae import VAEEncoder
 from splitstage.pipelines.demo.weight_files import save_weights
+from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext
 from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.stage2.distributed import DistInfo
@@ -108,5 +109,6 @@ def step_loss(plan: JobPlan, model: torch.nn.Module, seed: int = 0) -> torch.Ten
     """The family's training loss of one drawn step on `step_inputs` (backward not called)."""
     family = plan.family
     generator = torch.Generator().manual_seed(seed + 1)
-    ctx = StepContext({family.denoiser: model}, ONE_CPU.device, generator, family.settings())
+    draws = Draws.shared(generator)
+    ctx = StepContext({family.denoiser: model}, ONE_CPU.device, draws, family.settings())
     return family.training_loss(ctx, step_inputs(plan, seed))

@@ -1,5 +1,6 @@
 """Gradient accumulation has one owner: after k micro-batches the gradient is the mean of their
-gradients (accelerate divides the loss once; dividing it again made it 1/k of that)."""
+gradients (accelerate divides the loss once; dividing it again made it 1/k of that). And the draws
+are per sample: the same 8 samples as 1 x 8, 8 x 1 or 2 ranks x 4 make the same update."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from splitstage.pipelines.runtime import StepContext, run_units
+from splitstage.pipelines.runtime import run_units
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.distributed import close_distributed
-from splitstage.tasks.stage2.launch import write_spec
+from splitstage.tasks.stage2.launch import train, write_spec
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
-from splitstage.tasks.stage2.trainer import Trainer, step_generator, to_device
+from splitstage.tasks.stage2.trainer import Trainer, to_device
 from tests.helpers.tiny_job import make_workspace, tiny_config
 
 
@@ -36,14 +38,9 @@ def one_rank_trainer(workspace: Path, accum: int) -> Trainer:
     return Trainer(json.loads(spec.read_text()))
 
 
-def plain_gradient(trainer: Trainer, batch, batch_index: int) -> list[torch.Tensor]:
+def plain_gradient(trainer: Trainer, batch, keys: list[str]) -> list[torch.Tensor]:
     """One micro-batch's loss gradient by plain autograd (no accelerate), with the same draws."""
-    ctx = StepContext(
-        models=trainer.stage2.models,
-        device=trainer.dist.device,
-        generator=step_generator(trainer.config.job.seed, 0, batch_index, trainer.dist.device),
-        settings=trainer.family.settings(),
-    )
+    ctx = trainer.step_context(keys, epoch=0)
     params = trainer.stage2.parameters()
     for param in params:
         param.grad = None
@@ -58,14 +55,42 @@ def test_accumulated_gradient_is_the_mean_of_the_micro_batches(workspace):
         trainer = one_rank_trainer(workspace, accum=2)
         batches = list(itertools.islice(trainer.source.iterate(0, 0), 2))
         model = trainer.trained_models()[0]
-        for index, batch in enumerate(batches):
+        for keys, batch in batches:
             with trainer.accelerator.accumulate(model):
-                trainer.micro_step(batch, index)
+                trainer.micro_step(batch, keys, epoch=0)
         accumulated = [param.grad.detach().clone() for param in trainer.stage2.parameters()]
-        first, second = (plain_gradient(trainer, b, i) for i, b in enumerate(batches))
+        first, second = (plain_gradient(trainer, batch, keys) for keys, batch in batches)
     finally:
         close_distributed()
     assert any(g.abs().sum() > 0 for g in accumulated)
     for got, a, b in zip(accumulated, first, second, strict=True):
         # float32 sums of the same terms in another order: a few ulps of the gradient's scale
         torch.testing.assert_close(got, (a + b) / 2, rtol=1e-5, atol=1e-7)
+
+
+CUTS = {  # the same 8 samples per update, cut three ways
+    "1x8": {"batch_size": 8, "gradient_accumulation_steps": 1},
+    "8x1": {"batch_size": 1, "gradient_accumulation_steps": 8},
+    "2ranks-x4": {"batch_size": 4, "gradient_accumulation_steps": 1, "nproc_per_node": 2},
+}
+
+
+@pytest.mark.slow
+def test_one_update_is_the_same_however_the_batch_is_cut(workspace):
+    results = {}
+    for name, fields in CUTS.items():
+        config = tiny_config(workspace, f"cut-{name}", 0, max_steps=1, **fields)
+        report = train(config, run_root=workspace / "runs", env={"SPLITSTAGE_DEVICE": "cpu"})
+        (record,) = [json.loads(line) for line in (Path(report.run_dir) / "metrics.jsonl").open()]
+        results[name] = record, load_file(report.outputs["dit"])
+    (loss, norm, weights), *others = (
+        (record["loss"], record["grad_norm"], w) for record, w in results.values()
+    )
+    assert norm > 0 and weights
+    for other_loss, other_norm, other_weights in others:
+        # fp32 means of the same 8 per-sample terms summed in another order: a few ulps
+        assert other_loss == pytest.approx(loss, rel=1e-5)
+        assert other_norm == pytest.approx(norm, rel=1e-4)
+        # AdamW's first update is lr * g / (|g| + eps): the same up to that rounding
+        for key, tensor in weights.items():
+            torch.testing.assert_close(other_weights[key], tensor, rtol=1e-4, atol=1e-6)

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from splitstage.config.job import config_from_dict
 from splitstage.data.dataset import load_metadata
 from splitstage.data.digits import write_digits_dataset
+from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
@@ -110,7 +111,8 @@ def fixed_step(plan, config, denoiser):
     settings = family.settings()
     run_units(plan.v2_units, StepContext(frozen, ONE_CPU.device, settings=settings), batch)
     models = {family.denoiser: denoiser}
-    ctx = StepContext(models, ONE_CPU.device, torch.Generator().manual_seed(5), settings)
+    draws = Draws.shared(torch.Generator().manual_seed(5))
+    ctx = StepContext(models, ONE_CPU.device, draws, settings)
     run_units(plan.v1_units, ctx, batch)
     return family.training_step(ctx, batch)
 

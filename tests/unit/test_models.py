@@ -12,6 +12,7 @@ from splitstage.pipelines.demo.weight_files import (
     save_weights,
     weights_config,
 )
+from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.flow_matching import (
     add_noise,
     flow_matching_loss,
@@ -149,7 +150,7 @@ def test_lora_target_modules_exist():
 
 
 def test_flow_matching_helpers():
-    g = torch.Generator().manual_seed(0)
+    g = Draws.shared(torch.Generator().manual_seed(0))
     t = sample_timesteps(1000, g)
     assert t.shape == (1000,) and t.min() >= 0 and t.max() <= 1
     t = sample_timesteps(1000, g, distribution="logit_normal")
@@ -172,7 +173,7 @@ def test_flow_matching_loss_decreases_on_two_samples():
     assert emb[~mask].abs().sum() == 0  # padding is zeroed
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
-    t = sample_timesteps(2, g)
+    t = sample_timesteps(2, Draws.shared(g))
     opt = torch.optim.AdamW(dit.parameters(), lr=1e-3)
     losses = []
     for _ in range(8):

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from splitstage.config.job import config_from_dict
 from splitstage.data.dataset import load_metadata
+from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.validation_prompts import encode
@@ -50,7 +51,7 @@ def main() -> None:
     for step in range(STEPS):
         inputs = dict(batch)
         generator = torch.Generator().manual_seed(step)
-        ctx = StepContext(stage2.models, info.device, generator, settings)
+        ctx = StepContext(stage2.models, info.device, Draws.shared(generator), settings)
         run_units(plan.v1_units, ctx, inputs)
         loss = family.training_loss(ctx, inputs)
         loss.backward()

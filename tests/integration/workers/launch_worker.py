@@ -10,14 +10,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 def fail() -> None:
     """Rank 1 raises a ValueError; rank 0 waits to be stopped."""
     rank = int(os.environ["RANK"])
+    marker = (
+        Path(tempfile.gettempdir()) / f"launch-worker-{os.getppid()}"
+    )  # the agent's pid: shared by the ranks
     print(f"rank {rank} starting", flush=True)
+    if rank == 0:
+        marker.touch()
     if rank == 1:
+        deadline = time.monotonic() + 20
+        while not marker.exists() and time.monotonic() < deadline:  # rank 0 has printed first
+            time.sleep(0.05)
+        marker.unlink(missing_ok=True)
         raise ValueError("boom-rank1: bad value in the worker")
     time.sleep(30)  # torchrun stops this rank once rank 1 failed
 

@@ -134,8 +134,8 @@ class TinyFamily(Family):
         """DDPM: t ~ U{0..T-1}, cosine alpha-bar, x_t = sqrt(ab) x0 + sqrt(1-ab) eps; target eps."""
         x0 = inputs["latents_0"].to(ctx.device, torch.float32)
         steps = ctx.settings["noise_steps"]
-        draw = torch.randint(0, steps, (x0.shape[0],), generator=ctx.generator, device="cpu")
-        eps = torch.randn(x0.shape, generator=ctx.generator, device="cpu").to(x0.device)
+        draw = ctx.draws.randint(steps, x0.shape[0])
+        eps = ctx.draws.randn(x0.shape, device=x0.device)
         t = draw.to(x0.device, torch.float32) / steps
         alpha_bar = torch.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
         scale = alpha_bar.sqrt().view(-1, 1, 1, 1)
