@@ -6,6 +6,7 @@ Run `splitstage --help`. User errors print one line `splitstage: error: ...` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import sys
@@ -207,11 +208,36 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+# Errors about the place the user named to write into, with what to change.
+OUTPUT_PATH_ERRNOS = {
+    errno.ENOENT: "a folder above it does not exist or cannot hold folders",
+    errno.ENOTDIR: "a file stands where a folder is needed; choose another OUT_DIR",
+    errno.EEXIST: "it exists and is not a folder; choose another OUT_DIR",
+    errno.EISDIR: "a folder stands where a file is to be written; choose another OUT_DIR",
+    **ENVIRONMENT_ERRNOS,
+}
+
+
+@contextlib.contextmanager
+def writing_into(out_dir: str):
+    """Create OUT_DIR first; an OSError while writing into it is one line naming the path."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as error:
+        if error.errno not in OUTPUT_PATH_ERRNOS:
+            raise
+        where = str(error.filename or out_dir)
+        inside = "" if where == str(out_dir) else f"cannot write {where}: "
+        raise UserError(f"OUT_DIR {out_dir}: {inside}{OUTPUT_PATH_ERRNOS[error.errno]}") from None
+
+
 def cmd_data_digits(args: argparse.Namespace) -> int:
     """Write scikit-learn's handwritten digits as a DiffSynth-format image-caption data set."""
     from splitstage.data.digits import write_digits_dataset
 
-    count = write_digits_dataset(args.out_dir, limit=args.limit, size=args.size)
+    with writing_into(args.out_dir):
+        count = write_digits_dataset(args.out_dir, limit=args.limit, size=args.size)
     print(f"wrote {count} samples to {args.out_dir} (metadata.csv + images/)")
     return 0
 
@@ -220,7 +246,8 @@ def cmd_demo_weights(args: argparse.Namespace) -> int:
     """Write the demo's weights: the autoencoder trained on the digits, and the DiT's init."""
     from splitstage.demo import write_demo_weights
 
-    paths = write_demo_weights(args.out_dir, seed=args.seed)
+    with writing_into(args.out_dir):
+        paths = write_demo_weights(args.out_dir, seed=args.seed)
     print(", ".join(f"{name}: {path}" for name, path in paths.items()))
     return 0
 

@@ -249,6 +249,11 @@ def validate_stages(parts: Sequence[Sequence[str]], modules: Sequence[str]) -> l
                 f"stage {stage}: expected a list of module FQNs, got {type(part).__name__} {part!r}"
             )
         for fqn in part:
+            if not isinstance(fqn, str):
+                raise StageAssignmentError(
+                    f"stage {stage}: expected module FQNs as strings, got "
+                    f"{type(fqn).__name__} {fqn!r}; give each stage as a flat list of FQNs"
+                )
             if fqn not in order:
                 raise StageAssignmentError(
                     f"stage {stage}: unknown module '{fqn}'.{did_you_mean(str(fqn), order)}"

@@ -1,0 +1,64 @@
+"""Issue 26, tracebacks that hide the cause: bad CLI paths and shapes, and the stage-2 write paths
+on a full disk, each ONE line naming the path or field and what to change, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.catalogue import check_one_line, cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _out_dir_cases(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    images_file = tmp_path / "images-is-a-file"
+    images_file.mkdir()
+    (images_file / "images").write_text("x")
+    return {
+        "a file": (str(a_file), ["OUT_DIR", "a-file", "exists and is not a folder"]),
+        "under a file": (str(a_file / "sub"), ["a-file/sub", "a file stands where a folder"]),
+        "no such parent": ("/proc/x", ["/proc/x", "does not exist"]),
+        "a file inside": (str(images_file), ["images-is-a-file/images", "not a folder"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "no such parent", "a file inside"])
+def test_data_digits_out_dir(case, tmp_path, capsys):
+    out, needles = _out_dir_cases(tmp_path)[case]
+    check_one_line(*cli(["data", "digits", out, "--limit", "2"], capsys), *needles)
+
+
+@pytest.mark.parametrize("case", ["a file", "no such parent"])
+def test_demo_weights_out_dir_fails_before_training(case, tmp_path):
+    out, needles = _out_dir_cases(tmp_path)[case]
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstage.cli", "demo-weights", out],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    check_one_line(result.returncode, result.stderr, *needles)
+
+
+@pytest.mark.parametrize(
+    "stages, needles",
+    [
+        ([["blocks.0", ["blocks.1"]]], ["stage 0", "got list ['blocks.1']", "flat list"]),
+        ([["blocks.0"], [{"a": 1}]], ["stage 1", "got dict"]),
+        ([["blocks.0", 3], ["blocks.1"]], ["stage 0", "got int 3"]),
+    ],
+)
+def test_stages_validate_nested_entries(stages, needles, tmp_path, capsys):
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps(stages))
+    args = ["stages", "--modules", "blocks.0,blocks.1", "--validate", str(path)]
+    check_one_line(*cli(args, capsys), *needles)
