@@ -174,7 +174,7 @@ def train(
         spec_path = write_spec(
             config, run_id, cache_key, run_dir, paths, checks, split=plan.split.to_dict()
         )
-        for name in ("metrics.jsonl", "result.json", ERROR_FILE):
+        for name in ("result.json", ERROR_FILE):  # metrics.jsonl is the run's record: kept
             (run_dir / name).unlink(missing_ok=True)
         try:
             run_torchrun(

@@ -11,6 +11,7 @@ import math
 import os
 import resource
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from splitstage.tasks.stage2.optimization import (
     build_scheduler,
     clip_gradients,
 )
+from splitstage.tasks.stage2.run_records import append_metrics
 from splitstage.tasks.stage2.tracking import Tracking, tracker_names
 from splitstage.tasks.stage2.validation import Validator
 
@@ -102,6 +104,39 @@ def current_rss_mb() -> float:
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Move tensors of a batch to the training device."""
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+@dataclass
+class LoopState:
+    """Where the loop stands: updates done, the epoch, the epoch's samples consumed by all
+    replicas (a count, or per group of sample shapes) and the loss of every update so far."""
+
+    update: int = 0
+    epoch: int = 0
+    offset: Position = 0
+    losses: list[float] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers for the checkpoint's extra state."""
+        return {
+            "update": self.update,
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "losses": list(self.losses),
+        }
+
+    def load_state_dict(self, extra: dict[str, Any], updates_per_epoch: int, samples: int):
+        """Restore from a checkpoint's extra state; checkpoints written before offsets were
+        recorded derive the position from the update count (`samples` per update)."""
+        self.update = int(extra["update"])
+        self.losses = list(extra.get("losses", []))
+        if "offset" in extra:
+            offset = extra["offset"]
+            self.epoch = int(extra["epoch"])
+            self.offset = offset if isinstance(offset, dict) else int(offset)
+        else:
+            self.epoch, in_epoch = divmod(self.update, updates_per_epoch)
+            self.offset = in_epoch * samples
 
 
 class Trainer:
@@ -182,7 +217,7 @@ class Trainer:
         )
         self.checkpoint_url = spec["checkpoint_url"]
         self.run_dir = Path(spec["run_dir"])
-        self.losses: list[float] = []
+        self.state = LoopState()
         self.step_seconds: list[float] = []
         self.fault = injected_fault()
 
@@ -259,21 +294,18 @@ class Trainer:
         total = update + left + later
         return min(total, self.config.train.max_steps) if self.config.train.max_steps else total
 
-    def save(self, update: int, epoch: int, offset: Position) -> None:
-        """Checkpoint model, optimizer, scheduler and data position (collective)."""
+    def save(self) -> None:
+        """Checkpoint model, optimizer, schedule, EMA and the loop state (collective)."""
         model = self.stage2.models[self.stage2.trained[0]]
         save_checkpoint(
             self.checkpoint_url,
-            update,
+            self.state.update,
             model,
             [self.optimizer],
             {
                 "scheduler": self.scheduler.state_dict(),
                 "ema": self.average.state_dict() if self.average else None,
-                "update": update,
-                "epoch": epoch,
-                "offset": offset,
-                "losses": self.losses,
+                **self.state.state_dict(),
                 "settings": self.spec.get("settings"),
             },
             keep_last=self.config.train.keep_checkpoints,
@@ -281,13 +313,13 @@ class Trainer:
             storage_options=self.spec.get("checkpoint_storage_options"),
         )
 
-    def resume(self) -> tuple[int, int, Position]:
-        """Load the latest complete checkpoint, if any; return the position to continue from:
-        (update, epoch, samples of the epoch consumed by all replicas)."""
+    def resume(self) -> None:
+        """Load the latest complete checkpoint, if any, into the model, optimizer, schedule,
+        EMA and loop state."""
         options = self.spec.get("checkpoint_storage_options")
         step = latest_checkpoint(self.checkpoint_url, storage_options=options)
         if step is None:
-            return 0, 0, 0
+            return
         model = self.stage2.models[self.stage2.trained[0]]
         extra = load_checkpoint(
             self.checkpoint_url, step, model, [self.optimizer], storage_options=options
@@ -299,14 +331,8 @@ class Trainer:
         )
         if self.average is not None and extra.get("ema") is not None:
             self.average.load_state_dict(extra["ema"])
-        self.losses = list(extra.get("losses", []))
+        self.state.load_state_dict(extra, self.updates_per_epoch, self.samples_per_update)
         self.log(f"resumed from checkpoint step {step}")
-        update = int(extra["update"])
-        if "offset" in extra:  # samples consumed: a count, or per group of sample shapes
-            offset = extra["offset"]
-            return update, int(extra["epoch"]), offset if isinstance(offset, dict) else int(offset)
-        epoch, in_epoch = divmod(update, self.updates_per_epoch)  # written before offsets
-        return update, epoch, in_epoch * self.samples_per_update
 
     # -- the loop ---------------------------------------------------------------------------------
     def log(self, line: str) -> None:
@@ -314,16 +340,15 @@ class Trainer:
         if self.dist.is_main:
             print(line, flush=True)
 
-    def record(self, update: int, loss: float, grad_norm: float, seconds: float) -> None:
-        """Append one update's figures to metrics.jsonl (rank 0)."""
-        self.losses.append(loss)
+    def record(self, loss: float, grad_norm: float, seconds: float) -> None:
+        """Append the update's figures to metrics.jsonl and the trackers (rank 0)."""
+        update = self.state.update
+        self.state.losses.append(loss)
         self.step_seconds.append(seconds)
         if self.dist.is_main:
             lr = self.scheduler.get_last_lr()[0]
-            with (self.run_dir / "metrics.jsonl").open("a") as handle:
-                figures = {"update": update, "loss": loss, "grad_norm": grad_norm, "lr": lr}
-                handle.write(json.dumps({**figures, "s": seconds}))
-                handle.write("\n")
+            figures = {"update": update, "loss": loss, "grad_norm": grad_norm, "lr": lr}
+            append_metrics(self.run_dir, {**figures, "s": seconds})
             rate = self.samples_per_update / seconds if seconds > 0 else 0.0
             scalars = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": rate}
             self.tracking.scalars(update, scalars)
@@ -332,17 +357,20 @@ class Trainer:
         """Train from the latest checkpoint to the end, then export the weights (rank 0)."""
         train = self.config.train
         accum = train.gradient_accumulation_steps
-        update, epoch, offset = self.resume()
-        self.total_updates = self.planned_updates(update, epoch, offset)
+        state = self.state
+        self.resume()
+        self.total_updates = self.planned_updates(state.update, state.epoch, state.offset)
+        if self.dist.is_main:  # the run's records are appended, one start line per launch
+            append_metrics(self.run_dir, {"start": state.update, "of": self.total_updates})
         started = time.perf_counter()
         for model in self.trained_models():
             model.train()
-        while update < self.total_updates:
-            left = self.source.steps_per_epoch(offset) // accum  # updates left in this epoch
+        while state.update < self.total_updates:
+            left = self.source.steps_per_epoch(state.offset) // accum  # updates left in epoch
             if left == 0:
-                epoch, offset = epoch + 1, 0
+                state.epoch, state.offset = state.epoch + 1, 0
                 continue
-            start = offset
+            epoch, start = state.epoch, state.offset
             for micro, (keys, batch) in enumerate(self.source.iterate(epoch, start)):
                 if micro % accum == 0:
                     t0 = time.perf_counter()
@@ -353,35 +381,27 @@ class Trainer:
                 if not self.accelerator.sync_gradients:  # accelerate owns the cadence
                     continue
                 grad_norm = self.update_weights()
-                update += 1
-                this_epoch, offset = epoch, self.source.position_after(epoch, start, micro + 1)
+                state.update += 1
+                state.offset = self.source.position_after(epoch, start, micro + 1)
                 epoch_done = (micro + 1) // accum >= left
                 if epoch_done:
-                    epoch, offset = epoch + 1, 0
-                if self.fault and self.fault[:2] == (self.dist.rank, update):
+                    state.epoch, state.offset = epoch + 1, 0
+                if self.fault and self.fault[:2] == (self.dist.rank, state.update):
                     crash(whole_node=self.fault[2])
                 seconds = time.perf_counter() - t0
                 mean = self.mean_across_ranks(update_loss / accum)  # over micro-batches, ranks
                 if not math.isfinite(mean):
-                    raise TrainingDivergedError(self.diverged(update, mean))
-                self.record(update, mean, grad_norm, seconds)
-                if update % train.log_every == 0 or update == self.total_updates:
-                    self.log(
-                        f"update {update}/{self.total_updates} epoch {this_epoch} loss {mean:.5f} "
-                        f"{seconds:.3f}s/update"
-                    )
-                if update % train.checkpoint_every == 0 or update == self.total_updates:
-                    self.save(update, epoch, offset)
-                if self.validator.due(update, self.total_updates):
-                    self.validate(update)
-                if update >= self.total_updates or epoch_done:
+                    raise TrainingDivergedError(self.diverged(state.update, mean))
+                self.record(mean, grad_norm, seconds)
+                self.after_update(epoch, mean, seconds)
+                if state.update >= self.total_updates or epoch_done:
                     break
         elapsed = time.perf_counter() - started
         outputs = self.export()
         self.tracking.end()
         result = {
-            "updates": update,
-            "losses": self.losses,
+            "updates": state.update,
+            "losses": state.losses,
             "seconds": elapsed,
             "step_seconds": self.step_seconds,
             "stall_seconds": self.source.stall_seconds,
@@ -399,6 +419,20 @@ class Trainer:
         if self.dist.is_main:
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         return result
+
+    def after_update(self, epoch: int, loss: float, seconds: float) -> None:
+        """The cadences after an update: log, checkpoint, validation samples."""
+        train, update = self.config.train, self.state.update
+        last = update == self.total_updates
+        if update % train.log_every == 0 or last:
+            self.log(
+                f"update {update}/{self.total_updates} epoch {epoch} loss {loss:.5f} "
+                f"{seconds:.3f}s/update"
+            )
+        if update % train.checkpoint_every == 0 or last:
+            self.save()
+        if self.validator.due(update, self.total_updates):
+            self.validate(update)
 
     def diverged(self, update: int, loss: float) -> str:
         """The one line saying the run diverged, where, and what to do."""

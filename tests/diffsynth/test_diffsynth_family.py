@@ -29,6 +29,7 @@ from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.distributed import DistInfo
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tiny_diffsynth import nan_filled_empty, write_tiny_models
 
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "DIFFSYNTH_SKIP_DOWNLOAD": "True"}
@@ -194,7 +195,7 @@ def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(root, regi
     cache = root / "cache" / report.cache_key
     assert not list(cache.rglob("*.pt*"))  # our format: safetensors shards + JSON, no pickle
     result = train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
-    metrics = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").open()]
+    metrics = read_metrics(Path(result.run_dir))
     assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
     # The first update trained on the first key of the epoch order: find which row it was.
     data = index_data_set(config)

@@ -18,6 +18,7 @@ from splitstage.tasks.stage2.distributed import close_distributed
 from splitstage.tasks.stage2.launch import train, write_spec
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
+from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tasks.stage2.trainer import Trainer, to_device
 from tests.helpers.tiny_job import make_workspace, tiny_config
 
@@ -81,7 +82,7 @@ def test_one_update_is_the_same_however_the_batch_is_cut(workspace):
     for name, fields in CUTS.items():
         config = tiny_config(workspace, f"cut-{name}", 0, max_steps=1, **fields)
         report = train(config, run_root=workspace / "runs", env={"SPLITSTAGE_DEVICE": "cpu"})
-        (record,) = [json.loads(line) for line in (Path(report.run_dir) / "metrics.jsonl").open()]
+        (record,) = read_metrics(Path(report.run_dir))
         results[name] = record, load_file(report.outputs["dit"])
     (loss, norm, weights), *others = (
         (record["loss"], record["grad_norm"], w) for record, w in results.values()

@@ -4,7 +4,6 @@ resumes and is exported beside them; bad settings are one line before launch."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from splitstage.config.job import ConfigError, TrainConfig
 from splitstage.tasks.stage2 import optimization
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.optimization import check_update_rule, clip_gradients
+from splitstage.tasks.stage2.run_records import launches, read_metrics
 from splitstage.tasks.stage2.torchrun import TorchrunError
 from tests.helpers import catalogue
 from tests.helpers.catalogue import check_one_line, config_text, run_cli
@@ -39,8 +39,7 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def metrics(report) -> list[dict]:
-    lines = (Path(report.run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return read_metrics(Path(report.run_dir))
 
 
 def launch(workspace: Path, name: str, env=ENV, **fields):
@@ -60,14 +59,20 @@ def test_each_optimizer_and_schedule_resumes_bitwise(workspace, optimizer):
         )
     resumed = launch(workspace, f"{optimizer}-crash", **fields)
     assert resumed.losses == reference.losses
-    assert [m["lr"] for m in metrics(resumed)] == [m["lr"] for m in metrics(reference)][2:]
+    # the run's record keeps the crashed launch's updates; the resumed launch redid update 3
+    assert [m["lr"] for m in metrics(resumed)] == [m["lr"] for m in metrics(reference)]
+    assert [m["loss"] for m in metrics(resumed)] == reference.losses
+    assert [s["start"] for s in launches(Path(resumed.run_dir))] == [0, 2]
     for label, url in reference.outputs.items():
         want, got = load_file(url), load_file(resumed.outputs[label])
         assert want.keys() == got.keys()
         assert all(torch.equal(want[k], got[k]) for k in want), label
     rates = [m["lr"] for m in metrics(reference)]
     assert len(set(rates)) > 1 or optimizer == "prodigy"  # a schedule, not a constant
-    if "ema" in fields:
+    if "ema" in fields:  # once: a finished run launched again trains nothing and loses no record
+        again = launch(workspace, f"{optimizer}-crash", **fields)
+        assert again.updates == 4 and metrics(again) == metrics(resumed)
+        assert [s["start"] for s in launches(Path(again.run_dir))] == [0, 2, 4]
         assert set(reference.outputs) == {"dit", "dit_ema"}
         trained, average = (
             load_file(reference.outputs["dit"]),

@@ -5,7 +5,6 @@ TensorBoard too, refused before launch when the prompts are not encoded, never f
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage1.validation_prompts import prompts_path
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.preflight import preflight
+from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
@@ -101,8 +101,8 @@ def test_changed_prompts_keep_the_cache_and_a_sampling_failure_never_fails_the_r
     report = run(config, root, env={"SPLITSTAGE_FAULT_VALIDATION": "1"})
     assert report.updates == 2 and report.samples == {}
     assert Path(report.outputs["unet"]).is_file()  # exported as usual
-    log = (Path(report.run_dir) / "metrics.jsonl").read_text().splitlines()
-    assert len(log) == 2 and all("loss" in json.loads(line) for line in log)
+    log = read_metrics(Path(report.run_dir))
+    assert len(log) == 2 and all("loss" in record for record in log)
 
 
 def test_bad_validation_settings_are_one_line_errors(root):
