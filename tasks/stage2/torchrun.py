@@ -2,7 +2,9 @@
 
 Output streams line by line (`--tee 3`: each worker line is prefixed `[default<local_rank>]:`).
 On failure the result names the first failing rank and its error (torchrun's `error.json` when the
-worker used `@record`, else the tail of that rank's stderr log). Cancelling (a threading.Event,
+worker used `@record`, else the tail of that rank's stderr log). torchrun's own report of a failed
+worker (its ChildFailedError traceback and table) goes to the log dir's torchrun.log, not to the
+terminal: the failing rank's lines already say why. Cancelling (a threading.Event,
 a timeout, KeyboardInterrupt or an exception from `on_line`) ends the whole process tree:
 torchrun's workers run in their own sessions, so its process group alone would leave them alive.
 """
@@ -35,6 +37,9 @@ DEFAULT_RDZV_ID = "splitstage"
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ENDPOINT = re.compile(r"^\[?[\w.:-]+\]?:\d+$")
+_RANK_LINE = re.compile(r"^\[\w*?\d+\]:")  # --tee prefix of a worker's line: [default0]:
+_ELASTIC_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
+AGENT_LOG = "torchrun.log"  # in the log dir: every line of the run, torchrun's own report too
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -222,6 +227,49 @@ def _root_cause(lines: Sequence[str]) -> tuple[int | None, int | None, int | Non
     return rank, local_rank, exitcode
 
 
+class AgentReport:
+    """Pass the workers' lines on; keep torchrun's own failure report (its elastic log lines and
+    the ChildFailedError traceback with its 30-line table) in AGENT_LOG only, since the failing
+    rank already said why. Any other agent traceback (a rendezvous that timed out) is the cause:
+    it is passed on when the stream ends."""
+
+    def __init__(self, log_path: str, on_line: Callable[[str], None] | None) -> None:
+        self.log = open(log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.log_path = log_path
+        self.on_line = on_line
+        self.traceback: list[str] | None = None
+        self.withheld = 0
+
+    def __call__(self, line: str) -> None:
+        """Log one line; pass it on unless it belongs to torchrun's report of a failed child."""
+        self.log.write(line + "\n")
+        self.log.flush()
+        if self.traceback is not None or line.startswith("Traceback (most recent call last)"):
+            self.traceback = (self.traceback or []) + [line]  # the workers have ended by now
+        elif _RANK_LINE.match(line):
+            self._say(line)
+        elif _ELASTIC_LOG.match(line):
+            self.withheld += 1
+        else:
+            self._say(line)
+
+    def close(self) -> None:
+        """Pass on an agent traceback that is not torchrun's report of a failed child; say where
+        the withheld lines are."""
+        self.log.close()
+        lines = self.traceback or []
+        if lines and not any("ChildFailedError" in line for line in lines):
+            for line in lines:
+                self._say(line)
+            lines = []
+        if lines or self.withheld:
+            self._say(f"torchrun's own report of the failure: {self.log_path}")
+
+    def _say(self, line: str) -> None:
+        if self.on_line is not None:
+            self.on_line(line)
+
+
 def run_torchrun(
     spec: TorchrunSpec,
     *,
@@ -263,14 +311,17 @@ def run_torchrun(
     tail: deque[str] = deque(maxlen=tail_lines)
     known: dict[int, float] = {proc.pid: process_started(proc.pid)}
     timed_out = cancelled = False
+    report = AgentReport(os.path.join(log_dir, AGENT_LOG), on_line)
     try:
-        timed_out, cancelled = _watch(proc, lines, tail, known, on_line, cancel, timeout)
+        timed_out, cancelled = _watch(proc, lines, tail, known, report, cancel, timeout)
         if timed_out or cancelled:
             kill_tree(proc.pid, known, grace)
     except BaseException:
         kill_tree(proc.pid, known, grace)
         proc.wait()
+        report.log.close()
         raise
+    report.close()
     returncode = proc.wait()
     kill_tree(None, known, grace=1.0)  # workers torchrun failed to stop
     reader.join(timeout=2)

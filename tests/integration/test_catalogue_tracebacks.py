@@ -62,3 +62,44 @@ def test_stages_validate_nested_entries(stages, needles, tmp_path, capsys):
     path.write_text(json.dumps(stages))
     args = ["stages", "--modules", "blocks.0,blocks.1", "--validate", str(path)]
     check_one_line(*cli(args, capsys), *needles)
+
+
+REFUSING_RANK = (
+    "import os, sys\n"
+    "rank = os.environ['RANK']\n"
+    "print(f'[rank{rank}] splitstage: error: refusing on purpose', file=sys.stderr)\n"
+    "sys.exit(2)\n"
+)
+
+
+def test_a_rank_refusal_shows_the_rank_line_and_logs_torchruns_report(tmp_path):
+    from splitstage.tasks.stage2.torchrun import AGENT_LOG, TorchrunSpec, run_torchrun
+
+    script = tmp_path / "rank.py"
+    script.write_text(REFUSING_RANK)
+    shown: list[str] = []
+    result = run_torchrun(TorchrunSpec(str(script), nproc_per_node=2), on_line=shown.append)
+    assert result.returncode == 1 and result.failed_rank is not None
+    text = "\n".join(shown)
+    assert "splitstage: error: refusing on purpose" in text
+    assert "Traceback" not in text and "ChildFailedError" not in text and "exitcode" not in text
+    log = Path(result.log_dir) / AGENT_LOG
+    assert shown[-1] == f"torchrun's own report of the failure: {log}"
+    report = log.read_text()
+    assert "ChildFailedError" in report and "Root Cause" in report and "refusing" in report
+
+
+def test_an_agent_traceback_that_is_not_a_failed_child_is_shown(tmp_path):
+    from splitstage.tasks.stage2.torchrun import AgentReport
+
+    shown: list[str] = []
+    report = AgentReport(str(tmp_path / "torchrun.log"), shown.append)
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "run.py", line 1, in main',
+        "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError: timed out",
+    ]
+    for line in ["[default0]:hello", *lines]:
+        report(line)
+    report.close()
+    assert shown == ["[default0]:hello", *lines]
