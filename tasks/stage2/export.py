@@ -1,7 +1,10 @@
-"""Export trained weights: gather them, and write the files the family lays them out as."""
+"""Export trained weights: gather them, and write the files the family lays them out as, each
+safetensors file naming the base it was trained on; `check_export` refuses before launch what the
+family could not export as asked."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -11,21 +14,39 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.family import ExportRequest, Family
 from splitstage.storage.files import ensure_folder, join, write_atomic
+from splitstage.storage.safetensors_io import read_header
+from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
 from splitstage.tasks.stage2.outputs import open_output
+from splitstage.tasks.stage2.resume_identity import IDENTITY, export_metadata
 
 
-def request_for(config: SplitstageConfig, stage2: Stage2Models, family: Family, steps: int):
+def request_for(config: SplitstageConfig, lora: bool, family: Family, steps: int):
     """What this run exports: LoRA (rank, alpha, targets) or full weights."""
     trainable = config.trainable
     return ExportRequest(
-        lora=stage2.lora,
+        lora=lora,
         rank=trainable.lora_rank,
         alpha=float(trainable.lora_alpha or trainable.lora_rank),
-        targets=family.lora_targets(trainable.lora_base_model) if stage2.lora else [],
+        targets=family.lora_targets(trainable.lora_base_model) if lora else [],
         remove_prefix=config.output.remove_prefix_in_ckpt,
         steps=steps,
     )
+
+
+def check_export(config: SplitstageConfig, plan: JobPlan) -> None:
+    """Before launch: the family can export each trained model as asked (which models, LoRA or
+    full, `output.remove_prefix_in_ckpt`), else one ConfigError line from the family."""
+    lora = config.trainable.lora_base_model is not None
+    request = request_for(config, lora, plan.family, steps=0)
+    for name in config.trainable.models():
+        model = plan.meta_model(name)
+        keys = (
+            [f"{module}.lora_A.weight" for module, _ in model.named_modules() if module]
+            if lora
+            else [key for key, _ in model.named_parameters()]
+        )
+        plan.family.check_export(name, request, keys)
 
 
 def trained_state(stage2: Stage2Models) -> dict[str, dict[str, torch.Tensor]]:
@@ -54,12 +75,15 @@ def export_weights(
     url = spec["output_url"]
     fs, root = open_output(config, url)
     ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
-    request = request_for(config, stage2, family, steps)
+    request = request_for(config, stage2.lora, family, steps)
+    base = export_metadata((spec.get("settings") or {}).get(IDENTITY))
     written = {}
     for name, state in states.items():
         plain = {key.replace(f".{LORA_ADAPTER}.", "."): t for key, t in state.items()}
         for label, (file_name, data) in family.export_files(name, plain, request).items():
             file_name = with_suffix(file_name, suffix)
+            if base and file_name.endswith(".safetensors"):
+                data = with_metadata(data, base)
             write_atomic(fs, join(root, file_name), data)
             written[label + suffix] = f"{url.rstrip('/')}/{file_name}"
     return written
@@ -72,3 +96,14 @@ def with_suffix(file_name: str, suffix: str) -> str:
     folder, _, base = file_name.rpartition("/")
     stem, dot, extension = base.partition(".")
     return f"{folder + '/' if folder else ''}{stem}{suffix}{dot}{extension}"
+
+
+def with_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
+    """Safetensors bytes with `metadata` added to the header's `__metadata__` (tensors and
+    their offsets unchanged; the header stays 8-byte aligned)."""
+    size = int.from_bytes(data[:8], "little")
+    header = read_header(data)
+    header["__metadata__"] = {**(header.get("__metadata__") or {}), **metadata}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + size :]

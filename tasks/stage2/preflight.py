@@ -28,12 +28,14 @@ from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.validation_prompts import read_validation_prompts
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
+from splitstage.tasks.stage2.export import check_export
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.optimization import check_update_rule
 from splitstage.tasks.stage2.outputs import open_output, output_storage_options
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
 from splitstage.tasks.stage2.resume import compare, run_settings
+from splitstage.tasks.stage2.resume_identity import IDENTITY, check_resume_base, run_identity
 from splitstage.tasks.stage2.tracking import tracker_names
 from splitstage.tasks.stage2.validation import check_validation_sizes
 
@@ -345,9 +347,13 @@ def preflight(
     check_update_rule(config.train)
     check_models(config, plan)
     targets = check_trainable(config, plan)
+    check_export(config, plan)
     check_gradient_checkpointing(config, plan)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
+    if paths is not None:  # recorded in each checkpoint: a resume on another base is refused
+        result.settings[IDENTITY] = run_identity(config, plan)
+        result.warnings += check_resume_base(config, paths, result.settings[IDENTITY])
     data = index_data_set(config)
     try:
         check_cache(config, plan, data, result)

@@ -1,0 +1,129 @@
+"""What a run trains on (family, pipeline, base weights), recorded in its checkpoints; a resume
+on another is refused.
+
+The identity is computed by the launcher before launch (`run_identity`) and recorded with the
+run's settings under `IDENTITY`, so every checkpoint carries it (`Trainer.save` writes the
+settings) and the export's metadata names it. Each model is named by the content fingerprint the
+cache key uses (`JobPlan.model_fingerprint`: weights files hashed once, memoized by path, size
+and mtime), so a resume on another file with the same architecture is refused before launch,
+naming both, as is one on another family. A checkpoint written before identities were recorded
+still resumes, with a warning that its base could not be checked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from splitstage.config.job import SplitstageConfig
+from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
+from splitstage.tasks.stage2.outputs import output_storage_options
+from splitstage.tasks.stage2.resume import ResumeConfigError
+
+IDENTITY = "base"  # the key of the identity in the recorded run settings
+_SHOWN = 12  # hex digits of a fingerprint shown in messages and metadata
+
+
+def run_identity(config: SplitstageConfig, plan: JobPlan) -> dict[str, Any]:
+    """{family, pipeline, models: {name: {fingerprint, source}}} of every model the run uses."""
+    family = plan.family
+    if config.train.mode == "unsplit":
+        names = set(family.model_names)
+    else:
+        names = set(plan.split.models["stage1"]) | set(plan.split.models["stage2"])
+    models = {
+        name: {
+            "fingerprint": plan.model_fingerprint(name),
+            "source": describe_source(family.fingerprint_source(name)),
+        }
+        for name in sorted(names)
+    }
+    return {"family": family.name, "pipeline": plan.pipeline.name, "models": models}
+
+
+def describe_source(source: str | Mapping[str, Any]) -> str:
+    """A short human name of a model's source: its file, its first file, or its payload."""
+    if isinstance(source, str):
+        return source
+    files = list(source.get("files") or [])
+    if files:
+        more = f" (+{len(files) - 1} more files)" if len(files) > 1 else ""
+        return f"{files[0]}{more}"
+    return json.dumps(dict(source), sort_keys=True, separators=(",", ":"))
+
+
+def _model(entry: Mapping[str, Any]) -> str:
+    """'path (sha256 0123456789ab)'."""
+    return f"{entry.get('source')} (sha256 {str(entry.get('fingerprint'))[:_SHOWN]})"
+
+
+def check_resume_identity(
+    saved_settings: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
+    *,
+    step: int,
+    checkpoint_url: str,
+) -> list[str]:
+    """Refuse (one line) a checkpoint made on another family, pipeline or base weights; a
+    checkpoint that records none resumes with one warning line, returned."""
+    saved = (saved_settings or {}).get(IDENTITY)
+    if not saved:
+        return [
+            f"checkpoint step {step} records no base weights or family (written before they "
+            f"were recorded): the base could not be checked; resuming on the {current['family']}"
+            " family with the weights this config names"
+        ]
+    fresh = f"or start fresh with another --run-id (or delete {checkpoint_url})"
+    if (saved.get("family"), saved.get("pipeline")) != (current["family"], current["pipeline"]):
+        raise ResumeConfigError(
+            f"checkpoint step {step} was trained on the {saved.get('family')!r} family (pipeline "
+            f"{saved.get('pipeline')!r}), and this config names {current['family']!r} (pipeline "
+            f"{current['pipeline']!r}): its weights cannot continue on another pipeline; set "
+            f"pipeline.name back to {saved.get('family')!r} and its weights, {fresh}"
+        )
+    before, now = saved.get("models") or {}, current["models"]
+    changed = sorted(
+        name
+        for name in before.keys() & now.keys()
+        if before[name].get("fingerprint") != now[name]["fingerprint"]
+    )
+    if changed:
+        what = "; ".join(
+            f"{name}: trained on {_model(before[name])}, now {_model(now[name])}"
+            for name in changed
+        )
+        raise ResumeConfigError(
+            f"checkpoint step {step} was trained on other base weights than this config names "
+            f"({what}): resuming would continue it on other weights; point the config back at "
+            f"the weights it was trained on, {fresh}"
+        )
+    return []
+
+
+def check_resume_base(
+    config: SplitstageConfig, paths: Mapping[str, str], identity: Mapping[str, Any]
+) -> list[str]:
+    """Before launch: the run's latest checkpoint, if any, was trained on `identity`."""
+    url = paths["checkpoint_url"]
+    options = output_storage_options(config, url)
+    step = latest_checkpoint(url, storage_options=options, clean=False)
+    if step is None:
+        return []
+    saved = read_extra_state(url, step, storage_options=options).get("settings")
+    return check_resume_identity(saved, identity, step=step, checkpoint_url=url)
+
+
+def export_metadata(identity: Mapping[str, Any] | None) -> dict[str, str]:
+    """Safetensors metadata naming the base an export was trained on ({} when not recorded)."""
+    if not identity:
+        return {}
+    models = identity.get("models") or {}
+    return {
+        "splitstage_family": str(identity.get("family")),
+        "splitstage_pipeline": str(identity.get("pipeline")),
+        "splitstage_base": json.dumps(
+            {name: dict(entry) for name, entry in sorted(models.items())}, sort_keys=True
+        ),
+    }
