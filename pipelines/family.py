@@ -249,6 +249,19 @@ class Family:
         """Extra safetensors metadata of an exported model (e.g. its architecture)."""
         return {}
 
+    def check_export(self, model_name: str, request: ExportRequest, keys: Sequence[str]) -> None:
+        """Refuse before launch (one ConfigError line) what `export_files` could not write as
+        asked; `keys`: the trained parameters' names (LoRA: `<module>.lora_A.weight` for every
+        module). Default: any model; remove_prefix_in_ckpt must start some exported key."""
+        prefix = request.remove_prefix
+        names = [self.export_key(model_name, key) for key in keys]
+        if prefix and names and not any(name.startswith(prefix) for name in names):
+            raise ConfigError(
+                f"output.remove_prefix_in_ckpt = {prefix!r} starts none of the keys {model_name} "
+                f"exports (e.g. {names[0]!r}), so it would remove nothing; use a prefix they "
+                f"start with, e.g. {self.export_key(model_name, '')!r}, or remove it"
+            )
+
     def export_files(
         self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
     ) -> dict[str, tuple[str, bytes]]:

@@ -19,7 +19,11 @@ from torch import nn
 
 from splitstage.config.job import ConfigError
 from splitstage.data.dataset import Row, load_sample
-from splitstage.pipelines.diffusers.component_export import component_folder_files, lora_files
+from splitstage.pipelines.diffusers.component_export import (
+    LORA_COMPONENTS,
+    component_folder_files,
+    lora_files,
+)
 from splitstage.pipelines.diffusers.components import (
     build_empty,
     component_class,
@@ -311,6 +315,28 @@ class DiffusersFamily(Family):
             f"train.parallelism='pp' cannot run the {self.name} {self.denoiser} yet (its "
             "diffusers forward runs every block); use 'ddp', 'fsdp' or 'fsdp+tp'"
         )
+
+    def check_export(self, model_name: str, request: ExportRequest, keys: Sequence[str]) -> None:
+        """A LoRA only of a component diffusers' and kohya's layouts hold; no key prefix to
+        remove: both LoRA layouts and a save_pretrained folder are read with their keys as
+        written (`pipe.load_lora_weights`, ComfyUI, `from_pretrained`)."""
+        if request.remove_prefix:
+            raise ConfigError(
+                f"output.remove_prefix_in_ckpt = {request.remove_prefix!r}: the {self.name} "
+                "family exports diffusers' layouts (a LoRA as pytorch_lora_weights.safetensors "
+                "and a kohya file, full weights as a save_pretrained folder), whose loaders need "
+                "the keys as written; remove output.remove_prefix_in_ckpt"
+            )
+        if not request.lora:
+            return
+        components = LORA_COMPONENTS.get(self.name, (self.denoiser,))
+        exportable = [name for name in components if name in self.model_names]
+        if model_name not in exportable:
+            raise ConfigError(
+                f"trainable.lora_base_model = {model_name!r}: the {self.name} family exports a "
+                f"LoRA only of {', '.join(exportable)} (the components diffusers' and kohya's "
+                "LoRA files hold); set trainable.lora_base_model to one of them"
+            )
 
     def export_files(
         self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest

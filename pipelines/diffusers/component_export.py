@@ -12,6 +12,7 @@ from splitstage.pipelines.diffusers.components import build_empty, init_buffers
 from splitstage.pipelines.diffusers.folder import Component
 from splitstage.pipelines.diffusers.lora_export import (
     DIFFUSERS_WEIGHT_NAME,
+    KOHYA_PREFIX,
     diffusers_lora_metadata,
     diffusers_lora_state,
     kohya_lora_metadata,
@@ -20,6 +21,8 @@ from splitstage.pipelines.diffusers.lora_export import (
 from splitstage.pipelines.family import ExportRequest
 
 Files = dict[str, tuple[str, bytes]]
+# The components a LoRA exports from, per family, denoiser first: those both layouts hold.
+LORA_COMPONENTS = {family: tuple(prefixes) for family, prefixes in KOHYA_PREFIX.items()}
 
 
 def lora_files(
