@@ -98,12 +98,36 @@ class ValidationConfig(Group):
         return list(self.negative_prompts or [""] * len(self.prompts))
 
 
+TRACKERS = ("tensorboard", "wandb")  # the trackers report_to may name
+
+
 class TrackingConfig(Group):
     """Experiment trackers (accelerate's integrations): loss, learning rate, throughput, grids."""
 
     report_to: Literal["auto", "none"] | list[Literal["tensorboard", "wandb"]] = Field(
         "auto",
         description="'auto': TensorBoard when installed, plus Weights & Biases when configured "
-        "(WANDB_API_KEY or WANDB_MODE set); 'none'; or a list (each must be installed).",
+        "(WANDB_API_KEY or WANDB_MODE set); 'none'; or trackers, a list or one name as accelerate "
+        "writes it ('tensorboard'; each must be installed).",
     )
     project: str | None = Field(None, description="Tracker project name; default: job.name.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_names(cls, value):
+        # accelerate's spelling: report_to = "tensorboard" (one name), or "tensorboard,wandb".
+        names = [part.strip() for part in value.split(",")] if isinstance(value, str) else value
+        choices = f"write 'auto', 'none', or trackers from {', '.join(TRACKERS)}"
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{value!r} is not a tracker name or a list of them; {choices}")
+        if len(names) == 1 and names[0] in ("auto", "none"):
+            return names[0]
+        if "all" in names:  # accelerate's 'all' starts every installed tracker, wandb unasked
+            raise ValueError(f"'all' is accelerate's, not taken here; {choices}")
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ValueError(
+                f"unknown tracker {', '.join(map(repr, unknown))}; {choices} "
+                "(e.g. report_to = 'tensorboard')"
+            )
+        return names
