@@ -4,6 +4,7 @@ TensorBoard too, refused before launch when the prompts are not encoded, never f
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.wandb_records import history
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -88,7 +90,7 @@ def test_prompts_are_encoded_beside_the_cache_and_grids_are_written(root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(Path(report.run_dir) / "tracking" / "sampled")).Reload()
-    assert {"loss", "lr", "samples_per_s"} <= set(events.Tags()["scalars"])
+    assert {"loss", "grad_norm", "lr", "samples_per_s"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Images("samples")] == [1, 2]
     assert [s.step for s in events.Scalars("loss")] == [1, 2]
 
@@ -105,12 +107,36 @@ def test_changed_prompts_keep_the_cache_and_a_sampling_failure_never_fails_the_r
     assert len(log) == 2 and all("loss" in record for record in log)
 
 
-def test_bad_validation_settings_are_one_line_errors(root):
+def test_wandb_offline_gets_the_figures_and_the_grids(root):
+    pytest.importorskip("wandb")  # in the test extra: installed wherever `make test` runs
+    config = job(root, "wandb-offline")
+    config.tracking.report_to = ["wandb"]
+    folder = root / "wandb-home"
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(folder), "WANDB_SILENT": "true"}
+    preprocess(config, workers=1, progress=False)
+    report = run(config, root, env=env)
+    assert report.updates == 2
+    (offline,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = history(offline)
+    assert [row["_step"] for row in rows] == [1, 2]
+    assert [row["loss"] for row in rows] == pytest.approx(report.losses)
+    assert all(row["grad_norm"] > 0 and row["lr"] == 1e-3 for row in rows)
+    assert all(row["samples/_type"] == "images/separated" for row in rows)  # the grids
+    assert len(list(offline.parent.glob("files/media/images/samples_*.png"))) == 2
+
+
+def test_bad_validation_settings_are_one_line_errors(root, monkeypatch):
     with pytest.raises(ConfigError, match="negative_prompts has 1 entries for 2 prompts"):
         job(root, "x", validation={"prompts": PROMPTS, "negative_prompts": ["blurry"]})
     with pytest.raises(ConfigError, match="validation.steps"):
         job(root, "x", validation={"prompts": PROMPTS, "steps": 0})
     config = job(root, "wandb")
-    config.tracking.report_to = ["wandb"]  # not installed here
+    config.tracking.report_to = ["wandb"]
+    real_find_spec = importlib.util.find_spec  # wandb is installed here: hide it from the check
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "wandb" else real_find_spec(name, *a),
+    )
     with pytest.raises(ConfigError, match=r"tracking.report_to: wandb is not installed; `pip"):
         preflight(config, make_plan(config), paths={})
