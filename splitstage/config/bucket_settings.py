@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from splitstage.config.base_group import Group
 
@@ -27,6 +27,20 @@ class BucketConfig(Group):
         description="Stage 2: a bucket's last partial global batch is dropped this epoch "
         "(different samples each epoch) or filled by repeating that bucket's first samples.",
     )
+
+    @field_validator("area")
+    @classmethod
+    def _area(cls, area: int | None) -> int | None:
+        from PIL import Image  # Pillow's limit as this process has it (None: switched off)
+
+        limit = Image.MAX_IMAGE_PIXELS
+        if area is not None and limit and area > limit:
+            raise ValueError(
+                f"{area:,} pixels per bucket image is over Pillow's limit of {limit:,} "
+                "(PIL.Image.MAX_IMAGE_PIXELS, a decompression-bomb guard), so no image could be "
+                f"cropped to a bucket; use an area <= {limit:,} (e.g. {1024 * 1024} for 1024x1024)"
+            )
+        return area
 
     @model_validator(mode="after")
     def _sides(self) -> BucketConfig:
