@@ -81,7 +81,8 @@ def check_resume_identity(
             f"checkpoint step {step} was trained on the {saved.get('family')!r} family (pipeline "
             f"{saved.get('pipeline')!r}), and this config names {current['family']!r} (pipeline "
             f"{current['pipeline']!r}): its weights cannot continue on another pipeline; set "
-            f"pipeline.name back to {saved.get('family')!r} and its weights, {fresh}"
+            f"pipeline.name back to {saved.get('family')!r} (with the weights it was trained "
+            f"on), {fresh}"
         )
     before, now = saved.get("models") or {}, current["models"]
     changed = sorted(
