@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -9,6 +10,14 @@ from pydantic import Field, field_validator, model_validator
 from splitstage.config.base_group import Group
 
 TAILS = ("drop", "repeat")
+
+
+def pillow_limit() -> int | None:
+    """Pillow's decompression-bomb limit in pixels as this process has it (None: switched off):
+    it also refuses to crop an image to a bucket larger than that."""
+    from PIL import Image
+
+    return Image.MAX_IMAGE_PIXELS
 
 
 class BucketConfig(Group):
@@ -31,9 +40,7 @@ class BucketConfig(Group):
     @field_validator("area")
     @classmethod
     def _area(cls, area: int | None) -> int | None:
-        from PIL import Image  # Pillow's limit as this process has it (None: switched off)
-
-        limit = Image.MAX_IMAGE_PIXELS
+        limit = pillow_limit()
         if area is not None and limit and area > limit:
             raise ValueError(
                 f"{area:,} pixels per bucket image is over Pillow's limit of {limit:,} "
@@ -50,6 +57,20 @@ class BucketConfig(Group):
             raise ValueError(f"max_side {self.max_side} is not a multiple of step {self.step}")
         if self.min_side and self.max_side and self.min_side > self.max_side:
             raise ValueError(f"min_side {self.min_side} is larger than max_side {self.max_side}")
+        limit = pillow_limit()
+        if limit and self.min_side and self.min_side**2 > limit:
+            raise ValueError(
+                f"min_side {self.min_side}: a bucket with both sides >= {self.min_side} is over "
+                f"Pillow's limit of {limit:,} pixels (PIL.Image.MAX_IMAGE_PIXELS); use min_side "
+                f"<= {math.isqrt(limit) // self.step * self.step}"
+            )
+        longest = math.isqrt(int(limit * self.max_aspect)) if limit else None
+        if longest and self.max_side and self.max_side > longest:
+            raise ValueError(
+                f"max_side {self.max_side}: no bucket reaches it (one within Pillow's limit of "
+                f"{limit:,} pixels and max_aspect {self.max_aspect:g} has sides <= {longest:,}); "
+                f"use max_side <= {longest // self.step * self.step} or leave it out"
+            )
         return self
 
     def stage1_settings(self) -> dict | None:

@@ -30,3 +30,15 @@ def test_the_limit_is_pillows_own(monkeypatch):
         BucketConfig(area=1_000_001)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # switched off by the user
     assert BucketConfig(area=400_000_000).area == 400_000_000
+
+
+def test_sides_no_bucket_within_pillows_limit_can_have_are_refused(assets, tmp_path, capsys):  # noqa: F811
+    wide = job(assets, tmp_path, data__buckets="enabled = true\nmax_side = 64000000")
+    code, err = cli(["validate", wide], capsys)
+    check_one_line(code, err, "max_side 64000000: no bucket reaches it", "max_side <= 18880")
+    tall = job(assets, tmp_path, data__buckets="enabled = true\nmin_side = 12800")
+    code, err = cli(["validate", tall], capsys)
+    check_one_line(code, err, "min_side 12800", "use min_side <= 9408")
+    # the bounds are exact: the largest sides named are accepted
+    assert BucketConfig(max_side=18880).max_side == 18880
+    assert BucketConfig(min_side=9408).min_side == 9408
