@@ -10,6 +10,7 @@ must be 1 (use train.gradient_accumulation_steps for more samples per update).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -25,11 +26,13 @@ from splitstage.pipelines.diffsynth.adapter import pipeline_from_diffsynth
 from splitstage.pipelines.diffsynth.config import PIPELINES
 from splitstage.pipelines.diffsynth.loader import (
     DTYPES,
-    class_path,
+    SlotSource,
     diffsynth_module,
-    load_pipeline,
-    model_entry,
+    load_slot,
+    meta_model,
     skeleton,
+    slot_sources,
+    training_mode,
 )
 from splitstage.pipelines.diffsynth.pipeline_units import DiffSynthUnits, loss_inputs
 from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
@@ -37,6 +40,7 @@ from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline
 
+RESIZE = "diffsynth"  # DiffSynth's ImageCropAndResize: bilinear, both sides rounded
 BASE_INPUTS = {
     "cfg_scale": 1,
     "rand_device": "cpu",
@@ -69,6 +73,9 @@ class DiffSynthFamily(Family):
         self.in_iteration = tuple(self.skeleton.in_iteration_models)
         self.model_names = tuple(sorted(names | set(self.in_iteration)))
         self.denoiser = self.in_iteration[0]
+        self._pipe: Any = None
+        self._loaded: set[str] = set()
+        self._lock = threading.RLock()
         self.units_of = DiffSynthUnits(
             self.skeleton.units,
             self.pipeline_spec().units,
@@ -78,23 +85,46 @@ class DiffSynthFamily(Family):
         )
 
     # -- the pipeline object ---------------------------------------------------------------------
-    @cached_property
+    @property
     def pipe(self) -> Any:
-        """The pipeline with its models loaded (from_pretrained on the local files)."""
-        return load_pipeline(self.group, torch.device("cpu"))
+        """The pipeline holding the models this process built so far (build_model), and no other:
+        stage 1 its stage-1 models, stage 2 the trained ones its loss sets each step."""
+        with self._lock:
+            if self._pipe is None:
+                self._pipe = training_mode(skeleton(self.group))
+            return self._pipe
 
     @cached_property
-    def entries(self) -> dict[str, tuple[str, dict[str, Any]]]:
-        """Pipeline slot -> (file, its MODEL_CONFIGS entry), matched by the loaded class."""
-        found: dict[str, tuple[str, dict[str, Any]]] = {}
-        for path in self.group.model_paths:
-            entry = model_entry(path, self.group.register_models)
-            for slot in self.model_names:
-                model = getattr(self.pipe, slot, None)
-                known = model is not None and class_path(type(model)) == entry["model_class"]
-                if slot not in found and known:
-                    found[slot] = (path, entry)
-        return found
+    def sources(self) -> dict[str, SlotSource]:
+        """Pipeline slot -> its file and MODEL_CONFIGS entry, as DiffSynth's from_pretrained
+        fills it (headers and meta-device builds only)."""
+        return slot_sources(self.group)
+
+    @cached_property
+    def prompt_slots(self) -> frozenset[str]:
+        """Slots a unit reading `prompt` calls: loading one loads the tokenizer with it."""
+        units = self.pipeline_spec().units
+        return frozenset(m for u in units if "prompt" in u.inputs for m in u.models)
+
+    def _load(self, name: str, device: torch.device) -> Any:
+        """Slot `name`'s model, loaded by DiffSynth's from_pretrained from its own file alone
+        (once per process); None for a slot no file fills."""
+        pipe = self.pipe
+        with self._lock:
+            if name in self._loaded:
+                return getattr(pipe, name, None)
+            source = self.sources.get(name)
+            if source is not None:
+                fresh = load_slot(self.group, source, device, name in self.prompt_slots)
+                model = next(m for _, m in fresh.named_children() if m is not None)
+                setattr(pipe, name, model)
+                if fresh.tokenizer is not None:
+                    pipe.tokenizer = fresh.tokenizer
+                for size in ("height_division_factor", "width_division_factor"):
+                    if getattr(fresh, size) != getattr(self.skeleton, size):  # set by its VAE
+                        setattr(pipe, size, getattr(fresh, size))
+            self._loaded.add(name)
+            return getattr(pipe, name, None)
 
     def constants(self) -> dict[str, Any]:
         """The inputs DiffSynth's train.py sets besides the data (cfg_scale 1, ...)."""
@@ -103,6 +133,11 @@ class DiffSynthFamily(Family):
             "min_timestep_boundary": self.group.min_timestep_boundary,
         }
         return {**BASE_INPUTS, **PIPELINES[self.group.pipeline_class][2], **settings}
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The `[pipeline]` settings that change stage-1 outputs, and how images are scaled
+        (DiffSynth's rule, not the diffusers families'): the cache key takes both."""
+        return {**super().stage1_settings(), "resize": RESIZE}
 
     # -- units and the splitter's view -----------------------------------------------------------
     def units(self) -> list[RunnableUnit]:
@@ -127,7 +162,7 @@ class DiffSynthFamily(Family):
         copies for video pipelines) at height x width, the prompt, and the training constants."""
         group = self.group
         image = decode_image(read_image_bytes(row, base_path), row, base_path)
-        image = center_crop_resize(image, group.height, group.width)
+        image = center_crop_resize(image, group.height, group.width, RESIZE)
         sample = dict.fromkeys(self.unset_params)  # read, never written: None, as `.get` gives
         sample |= {**self.constants(), "prompt": row.prompt, "negative_prompt": ""}
         sample |= {"height": group.height, "width": group.width}
@@ -157,15 +192,15 @@ class DiffSynthFamily(Family):
         for name in self.config.trainable.models():
             self.require_known(name)
 
-    def require_loaded(self, name: str) -> tuple[str, dict[str, Any]]:
-        """The file and MODEL_CONFIGS entry of a loaded slot, or one line naming what to add."""
+    def require_loaded(self, name: str) -> SlotSource:
+        """The file and MODEL_CONFIGS entry of a slot, or one line naming what to add."""
         self.require_known(name)
-        if name not in self.entries:
+        if name not in self.sources:
             raise ConfigError(
                 f"models.{name}: none of pipeline.model_paths loads the {self.group.pipeline_class}"
                 f" '{name}'; add its file to pipeline.model_paths"
             )
-        return self.entries[name]
+        return self.sources[name]
 
     def fingerprint_source(self, name: str) -> dict[str, Any]:
         """The pipeline class and the content of every model file and tokenizer file."""
@@ -183,7 +218,8 @@ class DiffSynthFamily(Family):
         the loaded pipeline's (None)."""
         if name not in self.config.trainable.models():
             return None
-        path, entry = self.require_loaded(name)
+        source = self.require_loaded(name)
+        path, entry = source.path, source.entry
         if "state_dict_converter" in entry:
             raise ConfigError(
                 f"models.{name}: {path} needs DiffSynth's {entry['state_dict_converter']} to "
@@ -192,23 +228,17 @@ class DiffSynthFamily(Family):
         return path, ""
 
     def build_model(self, name: str, device: torch.device, *, meta: bool = False) -> nn.Module:
-        """A loaded frozen slot of the pipeline, or the slot's class with empty weights."""
+        """A frozen slot loaded from its own file (and only it), or the slot's class on meta."""
         if not meta:
             self.require_known(name)
+            model = self._load(name, device)
             self.pipe.device = device
-            model = getattr(self.pipe, name, None)
             if model is None:  # a slot no file fills: its units see None, as in DiffSynth
                 absent = nn.Module()
                 absent.diffsynth_absent = True
                 return absent
             return model.to(device).eval().requires_grad_(False)
-        path, entry = self.require_loaded(name)
-        from accelerate import init_empty_weights
-
-        loader = diffsynth_module("diffsynth.models.model_loader").ModelPool()
-        cls = loader.import_model_class(entry["model_class"])
-        with init_empty_weights():  # parameters on meta; buffers and tables stay real
-            model = cls(**entry.get("extra_kwargs", {}))
+        model = meta_model(self.require_loaded(name).entry)
         model = model.to(DTYPES[self.group.torch_dtype])  # as DiffSynth's loader: all to dtype
         # Non-persistent buffers (RoPE tables...) are in no file: kept here, put back after load.
         keep_buffers(model)

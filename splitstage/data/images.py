@@ -48,7 +48,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from splitstage.splitter import UserError
 
-DECODE_VERSION = "splitstage-decode-v2"  # bump when the pixels a file decodes to change
+DECODE_VERSION = "splitstage-decode-v3"  # bump when the pixels a file decodes to change
 MAX_IMAGE_FILE_BYTES = 1 << 30  # 1 GiB: far above any image within the pixel limit
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 REEXPORT = "re-export it as an 8- or 16-bit PNG"
@@ -232,22 +232,41 @@ def to_rgb8(img: Image.Image) -> Image.Image:
     return Image.fromarray(np.rint(gray * 255.0).astype(np.uint8)).convert("RGB")
 
 
+RESIZE_RULES = ("diffusers", "diffsynth")  # how stage 1 scales an image before the center crop
+
+
 def center_crop_box(
-    source_width: int, source_height: int, height: int, width: int
+    source_width: int, source_height: int, height: int, width: int, rule: str = "diffusers"
 ) -> tuple[int, int, int, int]:
-    """(scaled width, scaled height, left, top) of covering height x width, then center-cropping."""
-    scale = max(height / source_height, width / source_width)
-    new_w = max(width, round(source_width * scale))
-    new_h = max(height, round(source_height * scale))
-    return new_w, new_h, (new_w - width) // 2, (new_h - height) // 2
+    """(scaled width, scaled height, left, top) of covering height x width, then center-cropping
+    where torchvision's `center_crop` cuts (offsets rounded half to even).
+
+    'diffusers': torchvision `Resize(resolution)` as diffusers' text-to-image examples use it
+    (the covering side exactly, the other truncated: for a square, the shorter side to the
+    resolution); 'diffsynth': DiffSynth's `ImageCropAndResize` (both sides rounded).
+    """
+    if rule not in RESIZE_RULES:
+        raise ValueError(f"resize rule {rule!r}: use one of {', '.join(RESIZE_RULES)}")
+    if rule == "diffsynth":
+        scale = max(width / source_width, height / source_height)
+        new_w, new_h = round(source_width * scale), round(source_height * scale)
+    elif height / source_height >= width / source_width:  # the height covers: width follows
+        new_w, new_h = int(height * source_width / source_height), height
+    else:
+        new_w, new_h = width, int(width * source_height / source_width)
+    new_w, new_h = max(width, new_w), max(height, new_h)  # a float step below: never short
+    return new_w, new_h, int(round((new_w - width) / 2.0)), int(round((new_h - height) / 2.0))
 
 
-def center_crop_resize(img: Image.Image, height: int, width: int) -> Image.Image:
-    """Scale to cover height x width, then crop the center (DiffSynth's ImageCropAndResize)."""
+def center_crop_resize(
+    img: Image.Image, height: int, width: int, rule: str = "diffusers"
+) -> Image.Image:
+    """Scale to cover height x width with bilinear filtering (as torchvision resizes a PIL
+    image for DiffSynth and diffusers' examples), then crop the center; see center_crop_box."""
     if img.size == (width, height):
         return img
-    new_w, new_h, left, top = center_crop_box(img.width, img.height, height, width)
-    img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    new_w, new_h, left, top = center_crop_box(img.width, img.height, height, width, rule)
+    img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
     return img.crop((left, top, left + width, top + height))
 
 
@@ -255,7 +274,7 @@ def image_to_tensor(img: Image.Image) -> torch.Tensor:
     """PIL image -> float tensor [3,H,W] in [-1,1].
 
     8-bit RGB maps x -> x/127.5 - 1; a float "F" image (from a 16-bit or float file) maps
-    x in [0, 1] -> 2x - 1 (bicubic overshoot clipped), replicated to 3 channels. Any other
+    x in [0, 1] -> 2x - 1 (clipped), replicated to 3 channels. Any other
     mode is first normalized as open_image does (alpha onto white, 16-bit scaled, ...).
     """
     if img.mode not in ("RGB", "F"):

@@ -8,7 +8,9 @@ step (its units through its runner, then FlowMatchSFTLoss) on the same sample, s
 
 from __future__ import annotations
 
+import gc
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from diffsynth.core.loader import hash_model_file
 from diffsynth.diffusion.loss import FlowMatchSFTLoss
 from safetensors.torch import load_file
 
+from splitstage.cli import main
 from splitstage.config.job import config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.data.index import index_data_set
@@ -31,6 +34,8 @@ from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
 from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tiny_diffsynth import nan_filled_empty, write_tiny_models
+from tests.helpers.toml_job import toml
+from tests.helpers.weight_loads import weight_loads
 
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "DIFFSYNTH_SKIP_DOWNLOAD": "True"}
 PIPELINES = {"ZImagePipeline": "bf16", "WanVideoPipeline": "fp32"}
@@ -64,21 +69,23 @@ def registered(root):
 
 def job(root: Path, name: str, **train):
     """A LoRA job on the dit (rank 4, alpha 8), one sample per step."""
+    return config_from_dict(job_document(root, name, **train))
+
+
+def job_document(root: Path, name: str, **train) -> dict:
+    """The job as the dict a TOML file holds."""
     info = json.loads((root / name / "info.json").read_text())
     pipeline = {"name": "diffsynth", "pipeline_class": name, "height": 32, "width": 32}
     pipeline |= {"torch_dtype": PIPELINES[name], **info}
-    return config_from_dict(
-        {
-            "job": {"name": f"{name}-lora", "seed": SEED},
-            "pipeline": pipeline,
-            "trainable": {"lora_base_model": "dit", "lora_rank": 4, "lora_alpha": 8},
-            "data": {"base_path": str(root / "data")},
-            "cache": {"url": str(root / "cache"), "shard_samples": 2},
-            "train": {"batch_size": 1, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3}
-            | train,
-            "output": {"url": str(root / "out"), "remove_prefix_in_ckpt": "pipe.dit."},
-        }
-    )
+    return {
+        "job": {"name": f"{name}-lora", "seed": SEED},
+        "pipeline": pipeline,
+        "trainable": {"lora_base_model": "dit", "lora_rank": 4, "lora_alpha": 8},
+        "data": {"base_path": str(root / "data")},
+        "cache": {"url": str(root / "cache"), "shard_samples": 2},
+        "train": {"batch_size": 1, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3} | train,
+        "output": {"url": str(root / "out"), "remove_prefix_in_ckpt": "pipe.dit."},
+    }
 
 
 def fresh(name: str, info: dict):
@@ -115,6 +122,11 @@ def reference_loss(config, name: str, info: dict, key: str, row: dict) -> float:
     torch.manual_seed(int(Draws.per_sample(SEED, [key], epoch=0).randint(2**62, 1)))
     with torch.no_grad():
         return float(FlowMatchSFTLoss(pipe, **inputs[0], **inputs[1]))
+
+
+def loaded_files(text: str) -> set[str]:
+    """The files DiffSynth's loader logged `Loading models from: "<file>"` for."""
+    return set(re.findall(r'Loading models from: "([^"]+)"', text))
 
 
 def output(pipe, name: str, dit=None) -> torch.Tensor:
@@ -187,14 +199,28 @@ def test_stage2_model_equals_diffsynths_loaded_model(root, registered, name):
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
-def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(root, registered, name):
+def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(
+    root, registered, name, capsys
+):
+    """Stage 1 loads its models' files alone, stage 2 none through DiffSynth (its DiT from the
+    file, once), the launcher no weights; the loss is DiffSynth's, the LoRA loads in it."""
     config = job(root, name)
     info = json.loads((root / name / "info.json").read_text())
+    sources = make_plan(config).family.sources
+    capsys.readouterr()
     report = preprocess(config, progress=False)
     assert report.computed == 2
+    stage1 = {sources[m].path for m in make_plan(config).split.models["stage1"] if m in sources}
+    assert loaded_files(capsys.readouterr().out) == stage1  # DiffSynth's own log line
+    assert sources["dit"].path not in stage1
     cache = root / "cache" / report.cache_key
     assert not list(cache.rglob("*.pt*"))  # our format: safetensors shards + JSON, no pickle
-    result = train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    lines: list[str] = []
+    with weight_loads() as launcher_reads:
+        result = train(config, run_root=root / "runs", env=ENV, on_line=lines.append)
+    assert launcher_reads == []  # the launcher read headers only; the rank loaded the DiT
+    assert loaded_files("\n".join(lines)) == set()  # stage 2 never ran DiffSynth's loader
+    assert not any(line.startswith("warning: buckets") for line in lines)  # buckets are off
     metrics = read_metrics(Path(result.run_dir))
     assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
     # The first update trained on the first key of the epoch order: find which row it was.
@@ -208,6 +234,41 @@ def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(root, regi
     pipe.load_lora(pipe.dit, str(lora))
     after = output(pipe, name)
     assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_stage2_builds_the_trained_dit_once_and_loads_nothing_else(root, name, capsys):
+    """Stage 2's models are the plan's (the DiT, and in-iteration slots no file fills, such as
+    Z-Image's controlnet): the DiT built on meta and loaded from its file once; the pipeline its
+    loss runs holds no model of its own (no text encoder, VAE or second DiT)."""
+    config = job(root, name)
+    plan = make_plan(config)
+    capsys.readouterr()
+    dist_info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    models = build_stage2_models(config, plan, dist_info).models
+    assert sorted(models) == sorted(plan.split.models["stage2"]) and "dit" in models
+    assert "text_encoder" not in models and not any("vae" in name for name in models)
+    absent = [n for n, m in models.items() if getattr(m, "diffsynth_absent", False)]
+    assert sorted(absent) == sorted(set(models) - {"dit"})  # no file fills them
+    assert list(plan.family.pipe.named_children()) == []
+    assert loaded_files(capsys.readouterr().out) == set()
+    gc.collect()
+    dit_class = type(models["dit"])
+    assert sum(type(o) is dit_class for o in gc.get_objects()) == 1
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_validate_reads_headers_and_loads_no_model(root, tmp_path, name, capsys):
+    """`splitstage validate` of a diffsynth job: the plan and every check, from the files'
+    headers and meta-device builds; DiffSynth's loader never runs, no tensor is read."""
+    path = tmp_path / "job.toml"
+    path.write_text(toml(job_document(root, name)))
+    with weight_loads() as seen:
+        code = main(["validate", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "cache key:" in out and loaded_files(out + err) == set()
+    assert seen == []
 
 
 def test_batch_size_above_one_is_refused_before_launch(root):
