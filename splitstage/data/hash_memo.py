@@ -25,7 +25,15 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from splitstage.data.source import DataSource, Listing
-from splitstage.storage.files import join, open_fs, write_atomic
+from splitstage.storage.files import (
+    StorageBucketNotFoundError,
+    StorageCredentialsError,
+    StorageUnreachableError,
+    join,
+    open_fs,
+    translate_error,
+    write_atomic,
+)
 from splitstage.storage.options import with_credentials
 from splitstage.storage.safetensors_io import read_metadata
 
@@ -188,6 +196,22 @@ def memo_location(cache: Any, source: DataSource) -> tuple[Any, str, str]:
     return fs, join(root, FOLDER, name), f"{cache.url.rstrip('/')}/{FOLDER}/{name}"
 
 
+# Memo failures every cache operation meets too: the run stops on the cache's own one line.
+CACHE_WIDE = (StorageCredentialsError, StorageUnreachableError, StorageBucketNotFoundError)
+CACHE_FIELD = "cache.storage_options"  # the memos live under cache.url
+
+
+def stop_if_cache_unusable(exc: BaseException, fs: Any, url: str, action: str) -> None:
+    """Raise the cache's error when a memo failed for a reason the cache cannot survive (no or
+    wrong credentials, an unreachable endpoint, no bucket) instead of warning about each memo."""
+    options = getattr(fs, "storage_options", None)
+    mapped = exc if isinstance(exc, CACHE_WIDE) else translate_error(exc, url, action, options)
+    if isinstance(mapped, CACHE_WIDE):
+        if mapped is not exc:
+            mapped = translate_error(exc, url, action, options, field=CACHE_FIELD)
+        raise mapped from None
+
+
 def load_memo(fs: Any, path: str, url: str, source: DataSource) -> HashMemo:
     """The memo at `path`; an empty one when missing, or (with one warning line) unusable."""
     try:
@@ -196,6 +220,7 @@ def load_memo(fs: Any, path: str, url: str, source: DataSource) -> HashMemo:
     except FileNotFoundError:
         return HashMemo()
     except Exception as exc:  # unreadable: only costs time
+        stop_if_cache_unusable(exc, fs, url, "read")
         log.warning("hash memo %s not read (%s); hashing every image", url, type(exc).__name__)
         return HashMemo()
     try:
@@ -208,6 +233,7 @@ def load_memo(fs: Any, path: str, url: str, source: DataSource) -> HashMemo:
 def save_memo(fs: Any, path: str, url: str, data: bytes) -> None:
     """Write the memo atomically; a failure is one warning line (the memo only saves time)."""
     try:
-        write_atomic(fs, path, data, url)
+        write_atomic(fs, path, data, url, field=CACHE_FIELD)
     except Exception as exc:
+        stop_if_cache_unusable(exc, fs, url, "write")
         log.warning("hash memo %s not written (%s); the next run hashes again", url, exc)

@@ -37,7 +37,7 @@ from safetensors.numpy import save as st_save
 
 from splitstage.data.dataset import Row
 from splitstage.data.file_stats import FileCheck
-from splitstage.data.hash_memo import TRUST_MARGIN_NS
+from splitstage.data.hash_memo import TRUST_MARGIN_NS, stop_if_cache_unusable
 from splitstage.data.row_table import RowTable, extras_text
 from splitstage.data.source import DataSource, Listing
 from splitstage.storage.safetensors_io import read_metadata
@@ -183,6 +183,7 @@ def load(
     except FileNotFoundError:
         return None
     except Exception as exc:
+        stop_if_cache_unusable(exc, fs, url, "read")
         log.warning("index memo %s not read (%s); indexing every row", url, type(exc).__name__)
         return None
     try:

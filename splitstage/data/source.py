@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from splitstage.data.images import DataError
 from splitstage.splitter import UserError
 from splitstage.storage import urls
+from splitstage.storage.files import translate_error
 from splitstage.storage.object_listing import list_concurrently
 from splitstage.storage.options import open_url, with_credentials
 from splitstage.storage.urls import redact, scrub
@@ -84,9 +85,10 @@ class DataSource:
             try:
                 self._fs = open_url(self.url, options, field="data.base_path")
             except ImportError as exc:
+                package = urls.FILESYSTEM_PACKAGES.get(self.scheme, exc.name or "its filesystem")
                 raise DataError(
                     f"data.base_path {self.url}: the filesystem for '{self.scheme}://' is not "
-                    f"installed ({exc.name}); install it (s3:// needs s3fs, gs:// gcsfs)"
+                    f"installed; `pip install {package}`"
                 ) from None
             except TypeError as exc:
                 raise DataError(
@@ -125,8 +127,11 @@ class DataSource:
         UserError, e.g. an unreadable credentials block, is returned as it is)."""
         if isinstance(exc, UserError):
             return exc
-        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         opts = {**self.storage_options}
+        mapped = translate_error(exc, target, action, opts, field="data.storage_options")
+        if mapped is not exc:  # the cache's words for the same problem, naming the data's field
+            return DataError(str(mapped))
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         return DataError(f"cannot {action} {target}: {scrub(str(reason), opts)[:300]}")
 
     # ---- listing ---------------------------------------------------------------------------

@@ -64,6 +64,7 @@ class StorageReadOnlyError(StorageError):
     """The filesystem is mounted read-only (EROFS)."""
 
 
+URL_FIELDS = {"cache": "cache.url", "data": "data.base_path", "output": "output.url"}
 _FIX = "or point the URL at another folder"
 _LOCAL_ERRNOS = {  # errno -> (error class, what happened, the fix)
     errno.ENOSPC: (StorageFullError, "no space left on device", f"free space there {_FIX}"),
@@ -169,7 +170,9 @@ def ensure_folder(
         )
 
 
-def write_atomic(fs: Any, path: str, data: bytes, url: str | None = None) -> None:
+def write_atomic(
+    fs: Any, path: str, data: bytes, url: str | None = None, *, field: str = "storage_options"
+) -> None:
     """Write `data` so readers see the old object or the whole new one, never a partial file.
 
     Local: a temp file in the same directory, fsync, then rename; on any failure (disk full,
@@ -182,7 +185,7 @@ def write_atomic(fs: Any, path: str, data: bytes, url: str | None = None) -> Non
         try:
             fs.pipe_file(path, data)
         except Exception as exc:
-            raise_if_storage_error(exc, url, "write", options)
+            raise_if_storage_error(exc, url, "write", options, field=field)
             raise
         return
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -197,7 +200,7 @@ def write_atomic(fs: Any, path: str, data: bytes, url: str | None = None) -> Non
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(exc, Exception):
-            raise_if_storage_error(exc, url, "write", options)
+            raise_if_storage_error(exc, url, "write", options, field=field)
         raise
 
 
@@ -319,22 +322,43 @@ def _local_errno(exc: BaseException) -> int | None:
     return None
 
 
+def endpoint_of(options: Mapping[str, Any] | None) -> str | None:
+    """The S3 endpoint URL the options (or the AWS_ENDPOINT_URL variables) point at; None: AWS's."""
+    opts = dict(options or {})
+    kwargs = opts.get("client_kwargs") or {}
+    found = [
+        opts.get("endpoint_url"),
+        kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None,
+    ]
+    found += [os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL")]
+    return next((str(value) for value in found if value), None)
+
+
 def translate_error(
-    exc: BaseException, url: str, action: str, options: Mapping[str, Any] | None = None
+    exc: BaseException,
+    url: str,
+    action: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    field: str = "storage_options",
 ) -> BaseException:
-    """Map a storage exception to a `StorageError` with one clear sentence; others pass through."""
+    """Map a storage exception to a `StorageError` with one clear sentence naming `field` (the
+    config field holding the options, e.g. data.storage_options); others pass through."""
     code = error_code(exc)
     names = _type_names(exc)
     where = f"cannot {action} {url}"
+    group = field.rpartition(".")[0]
+    block = f" (or a Prefect block in {group}.credentials_block)" if group else ""
     if code == "NoSuchBucket":
+        in_url = f"in {URL_FIELDS[group]}" if group in URL_FIELDS else "in the URL"
         return StorageBucketNotFoundError(
             f"{where}: bucket '{urls.bucket_of(url)}' does not exist; create it or fix the "
-            f"bucket name in the URL. (NoSuchBucket)"
+            f"bucket name {in_url}. (NoSuchBucket)"
         )
     if code in _CREDENTIAL_CODES:
         return StorageCredentialsError(
             f"{where}: the endpoint rejected the credentials; check the key and secret in "
-            f"storage_options or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. ({code})"
+            f"{field}{block} or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. ({code})"
         )
     if code in _DENIED_CODES:
         return StoragePermissionError(
@@ -343,14 +367,20 @@ def translate_error(
         )
     if "NoCredentialsError" in names or "PartialCredentialsError" in names:
         return StorageCredentialsError(
-            f"{where}: no credentials found; set key and secret in storage_options or "
-            f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."
+            f"{where}: no credentials found; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+            f"or key and secret in {field}{block}."
         )
     if names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError"}:
+        endpoint = endpoint_of(options)
+        if endpoint is None:
+            return StorageUnreachableError(
+                f"{where}: cannot reach AWS's S3 endpoint, the default: no endpoint_url is set "
+                f"in {field} (nor AWS_ENDPOINT_URL); for another store (MinIO, the cache's) set "
+                f'{field} = {{endpoint_url = "http(s)://host:port"}}.'
+            )
         return StorageUnreachableError(
-            f"{where}: cannot reach the storage endpoint; check the endpoint URL "
-            f"(storage_options client_kwargs.endpoint_url or AWS_ENDPOINT_URL) and that the "
-            f"server is running."
+            f"{where}: cannot reach the storage endpoint {endpoint}; check endpoint_url in "
+            f"{field} (or AWS_ENDPOINT_URL) and that the server is running."
         )
     local = _local_errno(exc) if code is None else None
     if local is not None:
@@ -368,9 +398,14 @@ def translate_error(
 
 @contextlib.contextmanager
 def storage_errors(
-    url: str, action: str, options: Mapping[str, Any] | None = None
+    url: str,
+    action: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    field: str = "storage_options",
 ) -> Iterator[None]:
-    """Context manager: re-raise known storage failures as `StorageError`s naming `url`."""
+    """Context manager: re-raise known storage failures as `StorageError`s naming `url` (and
+    `field`, the config field of the options)."""
     try:
         yield
     except StorageError:
@@ -378,16 +413,21 @@ def storage_errors(
     except BaseException as exc:  # also DCP's CheckpointException (a BaseException)
         if not isinstance(exc, Exception) and not hasattr(exc, "failures"):
             raise
-        mapped = translate_error(exc, url, action, options)
+        mapped = translate_error(exc, url, action, options, field=field)
         if mapped is exc:
             raise
         raise mapped from None
 
 
 def raise_if_storage_error(
-    exc: BaseException, url: str, action: str, options: Mapping[str, Any] | None = None
+    exc: BaseException,
+    url: str,
+    action: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    field: str = "storage_options",
 ) -> None:
     """Raise `exc` as a `StorageError` when it is a known storage failure; otherwise return."""
-    mapped = translate_error(exc, url, action, options)
+    mapped = translate_error(exc, url, action, options, field=field)
     if mapped is not exc or isinstance(exc, StorageError):
         raise mapped from None

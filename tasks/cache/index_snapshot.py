@@ -278,6 +278,8 @@ def write_snapshot(store: Any) -> int:
     index, stamps = read_index(store, tolerant=True)
     data = encode_snapshot(index, stamps, store.cache_key)
     path = store._path(SNAPSHOT)
-    with st.storage_errors(store.url, "write the index snapshot under", store._options):
+    with st.storage_errors(
+        store.url, "write the index snapshot under", store._options, field="cache.storage_options"
+    ):
         st.write_atomic(store.fs, path, data)
     return len(index.shard_ids)

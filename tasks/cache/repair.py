@@ -95,7 +95,12 @@ class CacheChecks:
                 intact.append(entry)
                 if touch and entry.shard_id in changed:
                     path = self._path(self.index_file(entry.shard_id))
-                    with storage_errors(self.url, "rewrite an index entry under", self._options):
+                    with storage_errors(
+                        self.url,
+                        "rewrite an index entry under",
+                        self._options,
+                        field="cache.storage_options",
+                    ):
                         st.write_atomic(self.fs, path, entry_bytes[entry.shard_id])
         self._set_entries(intact)
         damaged = sorted({k for p in report.damaged for k in p.samples})
@@ -141,7 +146,9 @@ class CacheChecks:
             if self._move_aside(rel):
                 self._move_aside(self.shard_file(problem.shard_id))
                 note = self._path(f"{QUARANTINE}/{problem.shard_id}.problem.txt")
-                with storage_errors(self.url, "write under", self._options):
+                with storage_errors(
+                    self.url, "write under", self._options, field="cache.storage_options"
+                ):
                     st.write_atomic(self.fs, note, f"{problem.problem}\n".encode())
                 moved.append(self._url(self._path(rel)))
         return moved
@@ -160,7 +167,9 @@ class CacheChecks:
     def _move_aside(self, rel: str) -> bool:
         """Move one cache file into `quarantine/`; False when it is not there."""
         dst = self._path(f"{QUARANTINE}/{rel.rsplit('/', 1)[-1]}")
-        with storage_errors(self.url, "move a damaged file under", self._options):
+        with storage_errors(
+            self.url, "move a damaged file under", self._options, field="cache.storage_options"
+        ):
             if st.is_local(self.fs):
                 self.fs.makedirs(self._path(QUARANTINE), exist_ok=True)
             try:

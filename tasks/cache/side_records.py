@@ -30,18 +30,24 @@ class SideRecords:
     def write_record(self, folder: str, name: str, record: Mapping[str, Any]) -> None:
         """Write (or replace) record `name` of `folder` atomically."""
         data = json.dumps(record, sort_keys=True).encode()
-        with storage_errors(self.url, f"write {folder} records under", self._options):
+        with storage_errors(
+            self.url, f"write {folder} records under", self._options, field="cache.storage_options"
+        ):
             st.write_atomic(self.fs, self._record_path(folder, name), data)
 
     def read_records(self, folder: str) -> dict[str, dict[str, Any]]:
         """Every record of `folder` by name ({} when there is none): one listing, one read."""
         paths = sorted(self._list(folder, ".json"))
-        with storage_errors(self.url, f"read {folder} records under", self._options):
+        with storage_errors(
+            self.url, f"read {folder} records under", self._options, field="cache.storage_options"
+        ):
             datas = st.read_many(self.fs, paths)
         records: dict[str, dict[str, Any]] = {}
         for path, data in zip(paths, datas, strict=True):
             if isinstance(data, BaseException):
-                st.raise_if_storage_error(data, self._url(path), "read", self._options)
+                st.raise_if_storage_error(
+                    data, self._url(path), "read", self._options, field="cache.storage_options"
+                )
                 if isinstance(data, FileNotFoundError):
                     continue  # removed since the listing
                 raise data
@@ -57,7 +63,9 @@ class SideRecords:
 
     def remove_records(self, folder: str, names: Iterable[str]) -> None:
         """Delete records of `folder` (those already gone are fine)."""
-        with storage_errors(self.url, f"remove {folder} records under", self._options):
+        with storage_errors(
+            self.url, f"remove {folder} records under", self._options, field="cache.storage_options"
+        ):
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(self._record_path(folder, name))

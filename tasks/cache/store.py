@@ -75,7 +75,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         self.cache_key = cache_key
         self.url = f"{self.base_url}/{cache_key}"
         self._options = dict(storage_options or {})
-        with storage_errors(self.url, "open", self._options):
+        with storage_errors(self.url, "open", self._options, field="cache.storage_options"):
             self.fs, root = st.open_fs(url, self._options)
         self.root = st.join(root, cache_key)
         self._lock = threading.Lock()
@@ -117,7 +117,9 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
                 index_path = self._path(self.index_file(info.shard_id))
                 yield [(self._path(info.path), data), (index_path, index)]
 
-        where = storage_errors(self.url, "write shards under", self._options)
+        where = storage_errors(
+            self.url, "write shards under", self._options, field="cache.storage_options"
+        )
         with where, shorter_switch_interval(WRITE_SWITCH_INTERVAL):  # the I/O loop gets the GIL
             write_chains(self.fs, chains())
         self._record(done)
@@ -137,7 +139,9 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         where = self._url(self._path(mf.MANIFEST))
         fmt.check_json({k: v for k, v in manifest.items() if k != "samples"}, "manifest")
         data, samples_file = mf.encode_manifest(manifest, where)
-        with storage_errors(self.url, "write manifest under", self._options):
+        with storage_errors(
+            self.url, "write manifest under", self._options, field="cache.storage_options"
+        ):
             try:
                 old = mf.samples_file_name(self._raw_manifest())
             except CacheCorruptError:
@@ -154,7 +158,9 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         path = self._path(rel)
         (data,) = st.read_many(self.fs, [path])
         if isinstance(data, BaseException):
-            st.raise_if_storage_error(data, self._url(path), "read", self._options)
+            st.raise_if_storage_error(
+                data, self._url(path), "read", self._options, field="cache.storage_options"
+            )
             if isinstance(data, FileNotFoundError):
                 return None
             raise data
@@ -190,7 +196,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         path = self._path(rel) if rel else self.root
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(path)
-        with storage_errors(self.url, "list", self._options):
+        with storage_errors(self.url, "list", self._options, field="cache.storage_options"):
             try:
                 infos = st.local_ls(path) if st.is_local(self.fs) else self.fs.ls(path, detail=True)
             except (FileNotFoundError, NotADirectoryError) as exc:
@@ -204,11 +210,15 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         """Read index entries in batches: (shard id, path, bytes) of each one still there."""
         for start in range(0, len(paths), _INDEX_BATCH):
             group = paths[start : start + _INDEX_BATCH]
-            with storage_errors(self.url, "read the index of", self._options):
+            with storage_errors(
+                self.url, "read the index of", self._options, field="cache.storage_options"
+            ):
                 datas = st.read_many(self.fs, group)
             for path, data in zip(group, datas):
                 if isinstance(data, BaseException):
-                    st.raise_if_storage_error(data, self._url(path), "read", self._options)
+                    st.raise_if_storage_error(
+                        data, self._url(path), "read", self._options, field="cache.storage_options"
+                    )
                     if isinstance(data, FileNotFoundError):
                         continue  # removed between listing and reading
                     raise data
@@ -334,7 +344,9 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         index lists); CacheCorruptError naming the shard and the fix."""
         url = self._url(self._path(entry.shard))
         if isinstance(data, BaseException):
-            st.raise_if_storage_error(data, url, "read", self._options)
+            st.raise_if_storage_error(
+                data, url, "read", self._options, field="cache.storage_options"
+            )
             if not isinstance(data, FileNotFoundError):
                 raise data
         got = None if isinstance(data, BaseException) else data

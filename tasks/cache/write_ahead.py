@@ -68,7 +68,13 @@ def start_upload(fs: Any, path: str, data: bytes) -> concurrent.futures.Future |
         try:
             await fs._pipe_file(path, data)
         except Exception as exc:
-            raise_if_storage_error(exc, display_url(fs, path), "write", fs.storage_options)
+            raise_if_storage_error(
+                exc,
+                display_url(fs, path),
+                "write",
+                fs.storage_options,
+                field="cache.storage_options",
+            )
             raise
 
     return asyncio.run_coroutine_threadsafe(put(), fs.loop)
@@ -81,7 +87,9 @@ class WriteAhead:
         """Encode a shard, start its file's upload (object stores); invisible until committed."""
         info, data, index = fmt.prepare_shard(samples)
         shard_path, index_path = self._path(info.path), self._path(self.index_file(info.shard_id))
-        with storage_errors(self.url, "write shards under", self._options):
+        with storage_errors(
+            self.url, "write shards under", self._options, field="cache.storage_options"
+        ):
             upload = start_upload(self.fs, shard_path, data)
         return PreparedShard(info, index, shard_path, index_path, None if upload else data, upload)
 
@@ -89,7 +97,9 @@ class WriteAhead:
         """Wait for a prepared shard's file (written now unless uploaded ahead), then its entry."""
         if not prepared.index_path.startswith(f"{self.root}/"):
             raise ValueError(f"shard {prepared.info.shard_id} was prepared for another cache")
-        with storage_errors(self.url, "write shards under", self._options):
+        with storage_errors(
+            self.url, "write shards under", self._options, field="cache.storage_options"
+        ):
             prepared.wait()
             write_chains(self.fs, [prepared.files()])
         prepared.data = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from splitstage.config.job import load_config
@@ -41,3 +43,103 @@ def test_report_to_refusals_are_one_line(written, needles, assets, tmp_path, cap
     code, err = cli(["validate", str(path)], capsys)
     check_one_line(code, err, *needles)
     assert "literal[" not in err
+
+
+def s3_job(assets: Path, tmp: Path, data: str, cache: str) -> Path:
+    """The tiny job with `[data]` and `[cache]` bodies replaced."""
+    text = config_text(assets)
+    text = text.replace(f'[data]\nbase_path = "{assets}/data"\n', f"[data]\n{data}\n")
+    text = text.replace(f'[cache]\nurl = "{assets}/cache"\n', f"[cache]\n{cache}\n")
+    path = tmp / "job.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def s3_data(assets, s3_bucket):
+    """The digits uploaded under s3://bucket/prefix/data; yields the endpoint URL."""
+    import s3fs
+
+    _, options = s3_bucket
+    fs = s3fs.S3FileSystem(**options)
+    local = assets / "data"
+    files = [path for path in local.rglob("*") if path.is_file()]
+    fs.pipe(
+        {f"bucket/prefix/data/{p.relative_to(local).as_posix()}": p.read_bytes() for p in files}
+    )
+    return options["client_kwargs"]["endpoint_url"]
+
+
+def no_credentials(monkeypatch, tmp_path) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+
+
+def test_data_on_s3_without_credentials_names_the_fix(
+    assets, tmp_path, s3_data, monkeypatch, capsys
+):
+    no_credentials(monkeypatch, tmp_path)
+    data = (
+        f'base_path = "s3://bucket/prefix/data"\nstorage_options = {{endpoint_url = "{s3_data}"}}'
+    )
+    path = s3_job(assets, tmp_path, data, f'url = "{tmp_path}/cache"')
+    code, err = cli(["preprocess", str(path)], capsys)
+    check_one_line(code, err, "no credentials found", "AWS_ACCESS_KEY_ID", "data.storage_options")
+    assert "data.credentials_block" in err and "Unable to locate" not in err
+
+
+def test_a_cache_on_s3_without_credentials_is_one_line_without_memo_warnings(
+    assets, tmp_path, s3_data, monkeypatch, capsys
+):
+    no_credentials(monkeypatch, tmp_path)
+    cache = f'url = "s3://bucket/prefix/cache"\nstorage_options = {{endpoint_url = "{s3_data}"}}'
+    path = s3_job(assets, tmp_path, f'base_path = "{assets}/data"', cache)
+    code, err = cli(["preprocess", str(path)], capsys)
+    check_one_line(code, err, "no credentials found", "cache.storage_options")
+    assert "memo" not in err.replace("data-memo/", "")  # no 'hash memo ... not read' warnings
+
+
+def test_a_cache_bucket_that_does_not_exist_is_one_line(
+    assets, tmp_path, s3_data, monkeypatch, capsys
+):
+    cache = f'url = "s3://no-bucket/cache"\nstorage_options = {{endpoint_url = "{s3_data}"}}'
+    path = s3_job(assets, tmp_path, f'base_path = "{assets}/data"', cache)
+    code, err = cli(["preprocess", str(path)], capsys)
+    check_one_line(code, err, "bucket 'no-bucket' does not exist", "cache.url")
+
+
+def test_unreachable_endpoints_name_the_field_and_the_endpoint(tmp_path, monkeypatch):
+    from botocore.exceptions import EndpointConnectionError
+
+    from splitstage.storage.files import translate_error
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    down = EndpointConnectionError(endpoint_url="https://bucket.s3.amazonaws.com/data/x")
+    default = str(
+        translate_error(down, "s3://bucket/data/x", "read", {}, field="data.storage_options")
+    )
+    assert (
+        "AWS's S3 endpoint" in default
+        and "no endpoint_url is set in data.storage_options" in default
+    )
+    assert 'data.storage_options = {endpoint_url = "http(s)://host:port"}' in default
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+    given = str(translate_error(down, "s3://b/c", "list", options, field="cache.storage_options"))
+    assert "endpoint http://127.0.0.1:1" in given and "cache.storage_options" in given
+
+
+@pytest.mark.parametrize("scheme, package", [("gs", "gcsfs"), ("az", "adlfs"), ("abfs", "adlfs")])
+def test_data_on_other_stores_names_their_filesystem_package(
+    scheme, package, assets, tmp_path, capsys
+):
+    import importlib.util
+
+    if importlib.util.find_spec(package):
+        pytest.skip(f"{package} is installed here")
+    path = s3_job(assets, tmp_path, f'base_path = "{scheme}://b/data"', f'url = "{tmp_path}/c"')
+    code, err = cli(["validate", str(path)], capsys)
+    check_one_line(code, err, f"'{scheme}://'", f"pip install {package}")
+    assert "s3fs" not in err
