@@ -11,7 +11,10 @@ and parameter counts are the real ones. Then, on the GPU:
   2. stage-2 step vs unsplit step, medians of 10 interleaved after warm-up (batch 4 SD at 512,
      batch 2 SDXL at 1024; LoRA rank 16 on an fp32 denoiser under bf16 autocast, as stage 2 trains)
   3. peak CUDA memory of stage 2 (only its models on the GPU) vs unsplit (all of them)
-  4. torchrun --nproc_per_node 1: an all_reduce through splitstage's process-group set-up, and the
+  4. a FLUX.1-dev-size transformer (11.9B, random bf16 weights built on the GPU, no file): the
+     flux family's own LoRA training step (rank 16) at 1024 px, batch 1, gradient checkpointing
+     through the family's hook: peak CUDA memory and step time, checkpointing on and off
+  5. torchrun --nproc_per_node 1: an all_reduce through splitstage's process-group set-up, and the
      real launcher (`train`) on a tiny SD folder: the backend it used (NCCL's log) and its step time
 Every row has a time budget and the run a hard cap: a row that fails or runs out of time says so
 in the table and the script still exits 0. Without CUDA it says so in one line and exits 0.
@@ -48,6 +51,29 @@ for _name, _value in {**QUIET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}.items():
 # kind: (width divisor, resolution, batch, samples encoded, encode batch); then rounds, warm-up
 FULL = {"sd": (1, 512, 4, 64, 8), "sdxl": (1, 1024, 2, 32, 4), "rounds": 10, "warmup": 2}
 SMOKE = {"sd": (16, 64, 2, 8, 4), "sdxl": (16, 64, 2, 4, 2), "rounds": 3, "warmup": 1}
+# FLUX.1-dev's transformer config (11.9B parameters) and its step at 1024 px; the smoke one tiny
+FLUX_DEV = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+FLUX_SMOKE = FLUX_DEV | {
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 64,
+    "pooled_projection_dim": 32,
+    "axes_dims_rope": (8, 12, 12),
+}
+FLUX_STEP = {"full": (FLUX_DEV, 1024, 512), "smoke": (FLUX_SMOKE, 64, 16)}  # config, px, tokens
 ARCH = {"sd": "SD 1.5", "sdxl": "SDXL base"}
 
 
@@ -253,6 +279,102 @@ def peak_memory(kind: str, device, state: dict):
     return f"{gib(peaks['split'])} / {gib(peaks['unsplit'])} = {ratio:.3f} ({off})"
 
 
+def flux_step(device, work: Path, smoke: bool, check: Check):
+    """The flux family's LoRA step on a FLUX.1-dev-size transformer: rows for checkpointing on
+    and off (peak CUDA memory, median step time of 3 after a warm-up)."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    from splitstage.config.job import config_from_dict
+    from splitstage.pipelines.draws import Draws
+    from splitstage.pipelines.runtime import StepContext
+    from splitstage.tasks.job_plan import make_plan
+    from splitstage.tiny_diffusers import write_tiny_folder
+
+    arch, pixels, tokens = FLUX_STEP["smoke" if smoke else "full"]
+    folder = write_tiny_folder("flux", work / "flux-small")  # the scheduler and the settings
+    pipeline = {"name": "flux", "pretrained": str(folder), "resolution": pixels}
+    config = config_from_dict(
+        {
+            "job": {"name": "gpu-check"},
+            "pipeline": pipeline | {"max_prompt_length": tokens},
+            "trainable": {"lora_base_model": "transformer", "lora_rank": 16},
+            "data": {"base_path": str(work / "data")},
+            "cache": {"url": str(work / "cache")},
+            "output": {"url": str(work / "out")},
+        }
+    )
+    family = make_plan(config).family
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**arch)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    model.to(torch.bfloat16).requires_grad_(False)
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=targets))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for param in trained:
+        param.data = param.data.float()  # LoRA in fp32 over a bf16 base, as stage 2 holds it
+    optimizer = torch.optim.AdamW(trained, lr=1e-4)
+    count = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device).manual_seed(0)
+    latent = pixels // 8
+    inputs = {
+        "input_latents": torch.randn(1, 16, latent, latent, generator=g, device=device),
+        "prompt_embeds": torch.randn(
+            1, tokens, arch["joint_attention_dim"], generator=g, device=device
+        ),
+        "pooled_prompt_embeds": torch.randn(
+            1, arch["pooled_projection_dim"], generator=g, device=device
+        ),
+    }
+
+    def step(seed: int) -> None:
+        ctx = StepContext(
+            {"transformer": model},
+            device,
+            Draws.shared(torch.Generator(device).manual_seed(seed)),
+            family.settings(),
+        )
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = family.training_loss(ctx, dict(inputs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    rows = []
+    for checkpointing in (True, False):
+        if checkpointing:
+            family.enable_gradient_checkpointing("transformer", model)
+        else:
+            model.disable_gradient_checkpointing()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        step(0)  # warm-up
+        seconds = []
+        for seed in (1, 2, 3):
+            if check.row_left() < 3 * (seconds[-1] if seconds else 10.0):
+                break
+            started = time.perf_counter()
+            step(seed)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - started)
+        peak = gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else "n/a"
+        timing = f"{statistics.median(seconds):.2f} s/step" if seconds else "no timed step"
+        label = "on" if checkpointing else "off"
+        rows.append(
+            (
+                f"flux ({count / 1e9:.1f}B) LoRA step {pixels} px, checkpointing {label}",
+                f"peak {peak}, {timing}",
+            )
+        )
+    return rows  # the model and its optimizer go with this frame (release() collects)
+
+
 def release(kind: str, device, state: dict) -> None:
     """Free the family's models before the next one."""
     state.get(kind, {}).pop("steps", None)
@@ -368,6 +490,9 @@ def main(argv=None) -> int:
         check.run("imports", 60, imports)
         check.run("torchrun nproc 1: all_reduce", 60, partial(all_reduce, device, work, check), 15)
         check.run("launcher train()", 90, partial(launcher, device, work, check), 30)
+        flux = partial(flux_step, device, work, args.cpu_smoke, check)
+        check.run("flux (FLUX.1-dev size): LoRA step", 90, flux, 30)
+        release("flux", device, state)
         for kind in ("sd", "sdxl"):
             size, label = sizes[kind], f"{kind} ({ARCH[kind]})"
             build = partial(build_folder, kind, size, device, work, state)
