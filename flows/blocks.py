@@ -52,8 +52,28 @@ def credentials_options(creds: Any) -> dict[str, Any]:
     return options
 
 
+def prefect_api_url() -> str | None:
+    """The Prefect API this process talks to: PREFECT_API_URL, or the server of the flow run it
+    is in (ephemeral mode); None when reading a block would start a temporary server."""
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return str(PREFECT_API_URL.value())
+    in_run = FlowRunContext.get() is not None or TaskRunContext.get() is not None
+    return "the flow run's server" if in_run else None
+
+
 def block_storage_options(name: str, *, field: str = "credentials_block") -> dict[str, Any]:
     """s3fs options from the saved block `name` ('aws-credentials/x', 's3-bucket/y', ...)."""
+    api = prefect_api_url()
+    if api is None:  # a temporary server would start (20-40 s) with a database of its own
+        raise ConfigError(
+            f"{field}: block {name!r} is read from a Prefect server, but no Prefect API is set "
+            "in this process (PREFECT_API_URL); `prefect config set PREFECT_API_URL="
+            "http://127.0.0.1:4200/api` (the server of `prefect server start`) or export it, or "
+            "leave the block out and use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        )
     try:
         import prefect_aws  # noqa: F401  (registers the AWS block types)
     except ImportError:
@@ -67,7 +87,8 @@ def block_storage_options(name: str, *, field: str = "credentials_block") -> dic
         block = Block.load(name)
     except ValueError as exc:
         raise ConfigError(
-            f"{field}: no Prefect block {name!r} on this Prefect server ({scrub(str(exc))}); "
+            f"{field}: no Prefect block {name!r} on the Prefect server at {api} "
+            f"({scrub(str(exc))}); "
             "create it (e.g. `AwsCredentials(...).save('my-creds')`) or fix the name"
         ) from None
     except Exception as exc:  # the API is unreachable, the block type is unknown...

@@ -12,6 +12,8 @@ from tests.helpers.catalogue import check_one_line, cli, config_text
 
 assets = catalogue.assets  # the shared module-scoped fixture
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.mark.parametrize(
     "written, read",
@@ -143,3 +145,37 @@ def test_data_on_other_stores_names_their_filesystem_package(
     code, err = cli(["validate", str(path)], capsys)
     check_one_line(code, err, f"'{scheme}://'", f"pip install {package}")
     assert "s3fs" not in err
+
+
+def test_a_credentials_block_without_a_prefect_api_says_so_at_once(assets, tmp_path):
+    """No temporary server is started (it took 39 s and then said the block does not exist)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    data = (
+        'base_path = "s3://bucket/data"\n'
+        'storage_options = {endpoint_url = "http://127.0.0.1:1"}\n'
+        'credentials_block = "aws-credentials/my-creds"'
+    )
+    path = s3_job(assets, tmp_path, data, f'url = "{tmp_path}/cache"')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH=str(ROOT))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstage.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    check_one_line(
+        done.returncode,
+        done.stderr,
+        "data.credentials_block",
+        "no Prefect API is set",
+        "prefect config set PREFECT_API_URL=",
+    )
+    assert not (tmp_path / "prefect-home" / "prefect.db").exists()  # no temporary server ran
+    assert time.monotonic() - started < 30
