@@ -107,7 +107,9 @@ def check_resume_base(
     config: SplitstageConfig, paths: Mapping[str, str], identity: Mapping[str, Any]
 ) -> list[str]:
     """Before launch: the run's latest checkpoint, if any, was trained on `identity`."""
-    url = paths["checkpoint_url"]
+    url = paths.get("checkpoint_url")
+    if not url:  # no run folder named (a check of the config alone)
+        return []
     options = output_storage_options(config, url)
     step = latest_checkpoint(url, storage_options=options, clean=False)
     if step is None:
