@@ -58,7 +58,8 @@ def group_labels(order: list[tuple], image_sizes: ImageSizes = None) -> list[str
 def pixel_sizes(order: list[tuple], image_sizes: ImageSizes) -> list[tuple[int, int]] | None:
     """Each group's image (height, width): from the one tensor param (3+ dims) that every
     group has and whose last two sides times one factor give one of `image_sizes` in every
-    group; None when no param, or more than one, does."""
+    group (several such params, e.g. a VAE's latent_mean and latent_logvar, must agree); None
+    when no param does, or two disagree."""
     found = []
     names = sorted({s[0] for sig in order for s in sig if len(s) == 3 and len(s[2]) >= 3})
     for name in names:
@@ -72,7 +73,8 @@ def pixel_sizes(order: list[tuple], image_sizes: ImageSizes) -> list[tuple[int, 
         if factors and len(factors) == 1:
             (factor,) = factors
             found.append([(factor * h, factor * w) for h, w in sides])
-    return found[0] if len(found) == 1 else None
+    distinct = {tuple(sizes) for sizes in found}  # latent_mean and latent_logvar agree
+    return found[0] if len(distinct) == 1 else None
 
 
 def _sides(sig: tuple, name: str) -> tuple[int, int] | None:

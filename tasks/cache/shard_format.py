@@ -62,7 +62,7 @@ class CacheStats:
     bytes: int
     duplicates: int
     duplicate_keys: list[str] = field(default_factory=list)
-    groups: dict[str, int] = field(default_factory=dict)  # param-spec group label -> samples
+    buckets: dict[str, int] = field(default_factory=dict)  # bucket (param-spec group) -> samples
 
 
 @dataclass

@@ -190,7 +190,7 @@ def test_groups_follow_param_shapes_with_readable_labels(store):
     want = {hexkey(i): "input_latents 1x2x2" for i in (1, 2, 3)}
     want |= {hexkey(i): "input_latents 1x4x2" for i in (4, 5, 6)}
     assert dict(zip(ds.keys, labels)) == want
-    assert store.stats().groups == {"input_latents 1x2x2": 3, "input_latents 1x4x2": 3}
+    assert store.stats().buckets == {"input_latents 1x2x2": 3, "input_latents 1x4x2": 3}
     subset = CacheDataset(store, [hexkey(5), hexkey(1)])
     assert subset.keys.to_list() == sorted([hexkey(1), hexkey(5)]) and len(subset.groups) == 2
     with pytest.raises(SampleNotCachedError, match="1 of 2 sample keys are not in cache"):
@@ -256,6 +256,17 @@ def test_group_labels_lead_with_the_bucket_in_pixels_when_the_image_sizes_tell_i
         "input_latents 4x6x10",
         "input_latents 4x10x6",
     ]
-    # two params that both fit: which one is the image is unknown, so no pixels
+    # two params that fit and agree (a VAE's latent_mean and latent_logvar): their pixels
     both = [(*s, ("mask", "float32", (1, s[0][2][1], s[0][2][2]))) for s in order]
-    assert pixel_sizes(both, buckets) is None
+    assert pixel_sizes(both, buckets) == [(64, 64), (48, 80), (80, 48)]
+    vae = [
+        (("latent_logvar", "float32", (4, h, w)), ("latent_mean", "float32", (4, h, w)))
+        for h, w in ((8, 8), (6, 10))
+    ]
+    assert group_labels(vae, buckets) == [
+        "64x64 (latent_logvar 4x8x8, latent_mean 4x8x8)",
+        "80x48 (latent_logvar 4x6x10, latent_mean 4x6x10)",
+    ]
+    # two params that fit but disagree: which one is the image is unknown, so no pixels
+    crossed = [(*s, ("mask", "float32", (1, s[0][2][2], s[0][2][1]))) for s in order]
+    assert pixel_sizes(crossed, buckets) is None

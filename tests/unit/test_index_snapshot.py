@@ -53,13 +53,13 @@ def full_read(store: CacheStore, monkeypatch) -> tuple[list[str], dict, list[str
         m.setattr(snap, "_snapshot", lambda store: None)
         other = fresh(store)
         keys = other.key_table().to_list()
-        return keys, other.stats().groups, sorted(other.shard_of(keys).items())
+        return keys, other.stats().buckets, sorted(other.shard_of(keys).items())
 
 
 def view(store: CacheStore) -> tuple[list[str], dict, list[str]]:
     """The same figures from `store` as it loads its index."""
     keys = store.key_table().to_list()
-    return keys, store.stats().groups, sorted(store.shard_of(keys).items())
+    return keys, store.stats().buckets, sorted(store.shard_of(keys).items())
 
 
 def entry_paths(store: CacheStore) -> list[str]:
