@@ -67,18 +67,29 @@ def _target_matches(target: str, module_name: str) -> bool:
     return module_name == target or module_name.endswith(f".{target}")
 
 
-def check_lora_targets(model: nn.Module, base: str, targets: list[str], rank: int) -> list[str]:
-    """Refuse targets matching no module, and a rank above a targeted layer's width."""
+def check_lora_targets(
+    model: nn.Module, base: str, targets: list[str], rank: int, *, named: bool = True
+) -> list[str]:
+    """The targets to adapt: refuse targets the user `named` that match no module, and a rank
+    above a targeted layer's width. The family's defaults (named=False) adapt to the model:
+    those it lacks (an SD3 whose only joint block is context_pre_only has no to_add_out) are
+    dropped; none matching at all is refused, naming the field that sets them."""
     modules = list(model.named_modules())
     matched = {t: [m for name, m in modules if _target_matches(t, name)] for t in targets}
     unknown = [t for t, found in matched.items() if not found]
+    if unknown and not named and len(unknown) < len(targets):
+        targets = [t for t in targets if t not in unknown]
+        matched = {t: matched[t] for t in targets}
+        unknown = []
     if unknown:
         leaves = Counter(name.rsplit(".", 1)[-1] for name, m in modules if _width(m))
         known = [leaf for leaf, _ in leaves.most_common(12)]  # the most repeated: to_q, ...
+        what = "" if named else "the family's default LoRA targets "
+        fix = "" if named else "; set trainable.lora_target_modules to modules it has"
         raise ConfigError(
-            f"trainable.lora_target_modules: {', '.join(unknown)} name no module of '{base}'; "
-            f"its adaptable modules include {', '.join(known)} (a target is a module name or "
-            "a dotted suffix of one, e.g. attn.to_q)"
+            f"trainable.lora_target_modules: {what}{', '.join(unknown)} name no module of "
+            f"'{base}'; its adaptable modules include {', '.join(known)} (a target is a module "
+            f"name or a dotted suffix of one, e.g. attn.to_q){fix}"
         )
     narrow = [(t, width) for t, found in matched.items() for m in found if (width := _width(m))]
     narrow = [(t, width) for t, width in narrow if width < rank]
@@ -104,8 +115,13 @@ def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.M
     from peft import LoraConfig, inject_adapter_in_model  # 2-4 s of imports (transformers)
 
     trainable = config.trainable
-    targets = family.lora_targets(trainable.lora_base_model)
-    check_lora_targets(model, trainable.lora_base_model, targets, trainable.lora_rank)
+    targets = check_lora_targets(
+        model,
+        trainable.lora_base_model,
+        family.lora_targets(trainable.lora_base_model),
+        trainable.lora_rank,
+        named=bool(trainable.lora_target_modules),
+    )
     lora = LoraConfig(
         r=trainable.lora_rank,
         lora_alpha=trainable.lora_alpha or trainable.lora_rank,

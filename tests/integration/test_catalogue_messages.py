@@ -179,3 +179,37 @@ def test_a_credentials_block_without_a_prefect_api_says_so_at_once(assets, tmp_p
     )
     assert not (tmp_path / "prefect-home" / "prefect.db").exists()  # no temporary server ran
     assert time.monotonic() - started < 30
+
+
+def _one_block_sd3():
+    """A real SD3 transformer whose only joint block is context_pre_only (no to_add_out)."""
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=32,
+        pos_embed_max_size=16,
+    )
+
+
+def test_default_lora_targets_adapt_to_the_model_and_named_ones_are_refused():
+    from splitstage.config.base_group import ConfigError
+    from splitstage.pipelines.diffusers.mmdit import MMDIT_LORA_TARGETS
+    from splitstage.tasks.stage2.models import check_lora_targets
+
+    model = _one_block_sd3()
+    assert not any(name.endswith("attn.to_add_out") for name, _ in model.named_modules())
+    kept = check_lora_targets(model, "transformer", list(MMDIT_LORA_TARGETS), 4, named=False)
+    assert kept == [t for t in MMDIT_LORA_TARGETS if t != "attn.to_add_out"]
+    with pytest.raises(ConfigError, match=r"attn.to_add_out name no module of 'transformer'"):
+        check_lora_targets(model, "transformer", list(MMDIT_LORA_TARGETS), 4, named=True)
+    with pytest.raises(ConfigError, match=r"the family's default LoRA targets .*set trainable"):
+        check_lora_targets(model, "transformer", ["to_nothing"], 4, named=False)
