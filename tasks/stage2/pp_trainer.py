@@ -32,7 +32,7 @@ from splitstage.splitter import (
     validate_stages,
 )
 from splitstage.tasks.stage2.export import export_weights
-from splitstage.tasks.stage2.models import Stage2Models, add_lora
+from splitstage.tasks.stage2.models import Stage2Models, adapt_trained
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 from splitstage.tasks.stage2.trainer import Trainer, to_device
 
@@ -139,7 +139,7 @@ class PipelineTrainer(Trainer):
         model = family.build_model(denoiser, device, meta=True)
         family.pp_prune(model, parts[self.dist.rank])
         lora = config.trainable.lora_base_model == denoiser
-        model = add_lora(model, config, family) if lora else model.requires_grad_(True)
+        model = adapt_trained(model, denoiser, config, family, device)  # LoRA, dtype, checkpointing
         weights = family.weights_file(denoiser)
         if weights is None:
             raise ConfigError(

@@ -27,12 +27,10 @@ from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.validation_prompts import read_validation_prompts
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
-from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
 from splitstage.tasks.stage2.export import check_export
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.optimization import check_update_rule
 from splitstage.tasks.stage2.outputs import open_output, output_storage_options
-from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
 from splitstage.tasks.stage2.resume import compare, run_settings
 from splitstage.tasks.stage2.resume_identity import IDENTITY, check_resume_base, run_identity
@@ -51,6 +49,7 @@ class Preflight:
     """What the checks found: warnings to print, the training samples, the settings to record."""
 
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the run will do, said once (info)
     samples: KeyTable | None = None  # the keys to train on when not the cache's manifest
     sample_count: int = 0
     settings: dict = field(default_factory=dict)
@@ -76,6 +75,8 @@ def check_layout(config: SplitstageConfig) -> None:
                 "(pipeline stages are built for one image size); use 'fsdp', 'ddp' or 'tp', or "
                 "set data.buckets.enabled = false"
             )
+        from splitstage.tasks.stage2.pp_trainer import check_pp_config  # pipelining: 2-3 s
+
         check_pp_config(config)
     else:
         parallel_mode(config, config.train.nnodes * config.train.nproc_per_node)
@@ -118,15 +119,9 @@ def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
 
 
 def check_gradient_checkpointing(config: SplitstageConfig, plan: JobPlan) -> None:
-    """train.gradient_checkpointing: the family can recompute every trained model, and the
-    trainer applies it (the pipeline-parallel trainer builds its stages without it)."""
+    """train.gradient_checkpointing: the family can recompute every trained model."""
     if not config.train.gradient_checkpointing:
         return
-    if config.train.parallelism == "pp":
-        raise ConfigError(
-            "train.gradient_checkpointing: the pipeline-parallel trainer ('pp') does not "
-            "recompute activations yet; set train.gradient_checkpointing = false or use 'fsdp'"
-        )
     for name in config.trainable.models():
         plan.family.check_gradient_checkpointing(name)
 
@@ -217,6 +212,19 @@ def check_batches(
     if batches < train.gradient_accumulation_steps:
         raise ConfigError(_too_few_batches(config, source, data_parallel, batches))
     return source.tail_cost()
+
+
+def grouping_line(source: PlannedBatches) -> str:
+    """The batches' grouping when buckets are off (samples of one shape per batch, e.g. prompt
+    embeddings of one length), in words that do not read as a mistake."""
+    groups, cost = source.group_labels(), source.tail_cost()
+    line = f"batches hold samples of one shape: {len(groups)} shapes"
+    if cost["dropped"] or cost["repeated"]:
+        line += (
+            f"; per epoch {cost['dropped']} samples left out and {cost['repeated']} repeated to "
+            "fill batches (data.buckets.tail)"
+        )
+    return line
 
 
 def _too_few_batches(
@@ -317,6 +325,8 @@ def probe_writable(config: SplitstageConfig, url: str, field_name: str) -> None:
 
 def check_resume(config: SplitstageConfig, paths: dict[str, str], result: Preflight) -> None:
     """A checkpoint to resume from was made with settings this run can continue exactly."""
+    from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state  # DCP
+
     url = paths["checkpoint_url"]
     options = output_storage_options(config, url)
     step = latest_checkpoint(url, storage_options=options, clean=False)
@@ -366,7 +376,10 @@ def preflight(
     result.tail = check_batches(config, source, dp)
     tail = result.tail
     if known and (tail["groups"] > 1 or tail["dropped"] or tail["repeated"]):
-        result.warnings.append(source.tail_line())  # what the trainer logs, before it starts
+        if config.data.buckets.enabled:
+            result.warnings.append(source.tail_line())  # what the trainer logs, before it starts
+        else:
+            result.notes.append(grouping_line(source))
     check_validation(config, plan, result, strict=paths is not None)
     tracker_names(config)  # an explicitly named tracker that is not installed
     result.warnings += precision_warnings(config)

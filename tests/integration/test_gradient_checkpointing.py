@@ -97,5 +97,3 @@ def test_fsdp_with_checkpointing_equals_fsdp_without_and_refusals_come_before_la
     recomputed = run("fsdp-gc", gradient_checkpointing=True, **fields)
     assert recomputed.updates == plain.updates == 2
     assert recomputed.losses == pytest.approx(plain.losses, rel=1e-5)
-    with pytest.raises(ConfigError, match="train.gradient_checkpointing.*'pp'"):
-        run("pp-gc", gradient_checkpointing=True, parallelism="pp", nproc_per_node=2)

@@ -101,3 +101,13 @@ def test_pipeline_resumes_from_its_checkpoint(pipeline):
     assert first.updates == 2
     assert any("resumed from checkpoint step 2" in line for line in lines)
     assert resumed.updates == 4 and len(resumed.losses) == 4
+
+
+def test_pipeline_stages_recompute_activations_with_the_same_losses(workspace, pipeline):
+    first, _, _ = pipeline
+    lines: list[str] = []
+    recomputed = run(
+        workspace, "pp-gc", lines, **(PP | {"max_steps": 2}), gradient_checkpointing=True
+    )
+    assert recomputed.parallelism == "pp" and recomputed.updates == 2
+    assert recomputed.losses == pytest.approx(first.losses, rel=1e-5)
