@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import errno
 import os
+import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from stat import S_ISDIR, S_ISREG
@@ -334,6 +335,31 @@ def endpoint_of(options: Mapping[str, Any] | None) -> str | None:
     return next((str(value) for value in found if value), None)
 
 
+FULL_BYTES = 1 << 20  # a local disk with less free than this after a failed write is full
+_FULL_WORDS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+_WRITES = ("write", "save", "export", "create", "append", "take")
+
+
+def disk_is_full(exc: BaseException, url: str, action: str) -> bool:
+    """Whether a failed write to a local `url` failed for want of space: a message saying so
+    (safetensors: 'os error 28'), or the disk left with under FULL_BYTES free. torch's zip
+    writer ('[enforce fail at inline_container.cc] unexpected pos') carries no errno at all."""
+    if not any(word in action for word in _WRITES):
+        return False
+    if any(word in str(cur) for cur in _chain(exc) for word in _FULL_WORDS):
+        return True
+    try:
+        path = os.path.abspath(urls.local_path(url))
+    except ValueError:
+        return False  # an object store: its own errors say so
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or "/").free < FULL_BYTES
+    except OSError:
+        return False
+
+
 def translate_error(
     exc: BaseException,
     url: str,
@@ -388,6 +414,12 @@ def translate_error(
         mapped = cls(f"{where}: {what}; {fix}. ({errno.errorcode[local]})")
         mapped.errno = local
         return mapped
+    if local is None and code is None and disk_is_full(exc, url, action):
+        full = StorageFullError(
+            f"{where}: no space left on device; free space there {_FIX}. (ENOSPC)"
+        )
+        full.errno = errno.ENOSPC
+        return full
     if isinstance(exc, PermissionError) and not isinstance(exc, StorageError):
         return StoragePermissionError(
             f"{where}: access refused (403); check the credentials and that they may access "

@@ -103,3 +103,50 @@ def test_an_agent_traceback_that_is_not_a_failed_child_is_shown(tmp_path):
         report(line)
     report.close()
     assert shown == ["[default0]:hello", *lines]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 512 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+FULL_DISK_WRITES = (
+    "import sys, torch\n"
+    "from splitstage.storage.files import storage_errors\n"
+    "from splitstage.tasks.stage2.checkpoint import save_checkpoint\n"
+    "root, what = sys.argv[1], sys.argv[2]\n"
+    "model = torch.nn.Linear(512, 512)\n"
+    "if what == 'checkpoint':\n"
+    "    save_checkpoint(root + '/ck', 2, model, None, {'update': 2})\n"
+    "else:\n"
+    "    open(root + '/filler', 'wb').write(b'x' * (500 << 10))\n"
+    "    with storage_errors(root + '/out', 'write the export'):\n"
+    "        torch.save(model.state_dict(), root + '/out.pt')\n"  # torch's zip writer: no errno
+)
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "torch.save"])
+def test_a_full_disk_names_the_path_and_that_it_is_full(what, full_disk):
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_WRITES, str(full_disk), what],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("splitstage.storage.files.StorageFullError: cannot write "), last
+    assert str(full_disk) in last and "no space left on device" in last
+    assert "inline_container" not in last
