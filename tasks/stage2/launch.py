@@ -166,6 +166,8 @@ def train(
     checks = preflight(config, plan, paths)
     for warning in checks.warnings:
         say(f"warning: {warning}")
+    for note in checks.notes:
+        say(note)
     cache_key = None if config.train.mode == "unsplit" else plan.cache_key
     run_dir = Path(paths["run_dir"])
     cancel = cancel or threading.Event()
