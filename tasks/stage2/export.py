@@ -13,22 +13,32 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.family import ExportRequest, Family
-from splitstage.storage.files import ensure_folder, join, write_atomic
+from splitstage.storage.files import ensure_folder, join, storage_errors, write_atomic
 from splitstage.storage.safetensors_io import read_header
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
-from splitstage.tasks.stage2.outputs import open_output
+from splitstage.tasks.stage2.outputs import open_output, output_storage_options
 from splitstage.tasks.stage2.resume_identity import IDENTITY, export_metadata
 
 
-def request_for(config: SplitstageConfig, lora: bool, family: Family, steps: int):
-    """What this run exports: LoRA (rank, alpha, targets) or full weights."""
+def request_for(
+    config: SplitstageConfig,
+    lora: bool,
+    family: Family,
+    steps: int,
+    targets: list[str] | None = None,
+):
+    """What this run exports: LoRA (rank, alpha, `targets`: those preflight adapted, default
+    the family's list) or full weights."""
     trainable = config.trainable
+    listed = family.lora_targets(trainable.lora_base_model) if lora else []
+    if targets is not None:  # the family's order, less the defaults the model lacks
+        listed = [target for target in listed if target in set(targets)]
     return ExportRequest(
         lora=lora,
         rank=trainable.lora_rank,
         alpha=float(trainable.lora_alpha or trainable.lora_rank),
-        targets=family.lora_targets(trainable.lora_base_model) if lora else [],
+        targets=listed,
         remove_prefix=config.output.remove_prefix_in_ckpt,
         steps=steps,
     )
@@ -75,8 +85,10 @@ def export_weights(
     url = spec["output_url"]
     fs, root = open_output(config, url)
     ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
-    request = request_for(config, stage2.lora, family, steps)
-    base = export_metadata((spec.get("settings") or {}).get(IDENTITY))
+    settings = spec.get("settings") or {}
+    request = request_for(config, stage2.lora, family, steps, settings.get("lora_targets"))
+    base = export_metadata(settings.get(IDENTITY))
+    options = output_storage_options(config, url)
     written = {}
     for name, state in states.items():
         plain = {key.replace(f".{LORA_ADAPTER}.", "."): t for key, t in state.items()}
@@ -84,8 +96,10 @@ def export_weights(
             file_name = with_suffix(file_name, suffix)
             if base and file_name.endswith(".safetensors"):
                 data = with_metadata(data, base)
-            write_atomic(fs, join(root, file_name), data)
-            written[label + suffix] = f"{url.rstrip('/')}/{file_name}"
+            target = f"{url.rstrip('/')}/{file_name}"
+            with storage_errors(target, "write the export", options, field="output.url"):
+                write_atomic(fs, join(root, file_name), data)
+            written[label + suffix] = target
     return written
 
 

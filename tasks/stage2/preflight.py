@@ -115,7 +115,9 @@ def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
     if base is None:
         return []
     targets = plan.family.lora_targets(base)
-    return check_lora_targets(plan.meta_model(base), base, targets, config.trainable.lora_rank)
+    named = bool(config.trainable.lora_target_modules)  # defaults adapt to the model
+    rank = config.trainable.lora_rank
+    return check_lora_targets(plan.meta_model(base), base, targets, rank, named=named)
 
 
 def check_gradient_checkpointing(config: SplitstageConfig, plan: JobPlan) -> None:

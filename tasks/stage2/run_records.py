@@ -11,12 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from splitstage.storage.files import storage_errors
+
 METRICS_FILE = "metrics.jsonl"
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line (a line is written whole: one write of one short string)."""
-    with (Path(run_dir) / METRICS_FILE).open("a") as handle:
+    """Append one JSON line (a line is written whole: one write of one short string); a full
+    disk is named as such."""
+    path = Path(run_dir) / METRICS_FILE
+    with storage_errors(str(path), "append metrics to"), path.open("a") as handle:
         handle.write(json.dumps(record) + "\n")
 
 
