@@ -1,4 +1,4 @@
-"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX) in Hub layout, offline.
+"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image) in Hub layout.
 
 `write_tiny_folder(kind, folder)` saves what `XPipeline.save_pretrained(folder)` writes for a real
 checkpoint of that family (model_index.json, one subfolder per component, tokenizers, scheduler
@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-KINDS = ("sd", "sd2", "sdxl", "sd3", "flux")
+KINDS = ("sd", "sd2", "sdxl", "sd3", "flux")  # the CLIP / T5 kinds
+QWEN_KINDS = ("qwenimage",)  # Qwen2.5-VL prompts, a video VAE
+ALL_KINDS = (*KINDS, *QWEN_KINDS)
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 512
@@ -65,6 +67,40 @@ def t5_tokenizer() -> Any:
     return T5Tokenizer(vocab=t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
 
 
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def qwen_tokenizer() -> Any:
+    """A Qwen2Tokenizer built in memory: every byte, plus one token per piece of
+    QwenImagePipeline's prompt template, so its system prefix is 34 tokens as with the real
+    vocabulary (the pipeline drops exactly that many); other text encodes byte by byte."""
+    import re
+
+    from transformers import Qwen2Tokenizer
+
+    vocab = {symbol: i for i, symbol in enumerate(_byte_symbols())}
+    pre_tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=[])._tokenizer.pre_tokenizer
+    merges = []
+    specials = "|".join(re.escape(s) for s in QWEN_SPECIALS)
+    for part in re.split(specials, _qwen_template().replace("{}", "")):
+        for piece, _ in pre_tokenizer.pre_tokenize_str(part):
+            for end in range(2, len(piece) + 1):  # one merge chain per piece, left to right
+                if piece[:end] not in vocab:
+                    vocab[piece[:end]] = len(vocab)
+                    merges.append((piece[: end - 1], piece[end - 1]))
+    vocab |= {special: len(vocab) + i for i, special in enumerate(QWEN_SPECIALS)}
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=list(QWEN_SPECIALS[1:]))
+
+
+def _qwen_template() -> str:
+    """QwenImagePipeline's prompt template, read from a pipeline built without components."""
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.__new__(QwenImagePipeline)
+    QwenImagePipeline.__init__(pipe, None, None, None, None, None)
+    return pipe.prompt_template_encode
+
+
 # ---------------------------------------------------------------- text encoders
 
 
@@ -108,6 +144,37 @@ def _t5_encoder(d_model: int = 32) -> Any:
         decoder_start_token_id=0,
     )
     return T5EncoderModel(config)
+
+
+def _qwen_vl(vocab_size: int, hidden: int = 32) -> Any:
+    """A 2-layer Qwen2.5-VL (1-block vision tower) whose last hidden states are the prompt
+    embeddings; mrope_section sums to half the head size (8 / 2)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        "rope_theta": 10000.0,
+        "bos_token_id": None,
+        "eos_token_id": vocab_size - 1,
+        "pad_token_id": vocab_size - 3,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": hidden,
+        "fullatt_block_indexes": [0],
+    }
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 # ---------------------------------------------------------------- VAE, denoisers, schedulers
@@ -203,6 +270,55 @@ def _flux_transformer(joint_dim: int, pooled_dim: int) -> Any:
         pooled_projection_dim=pooled_dim,
         guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),
+    )
+
+
+def _qwen_vae() -> Any:
+    """A tiny AutoencoderKLQwenImage (x8 spatial, 4 latent channels) with per-channel
+    latents_mean / latents_std that are not 0 / 1, so the normalisation is exercised."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[-0.25, 0.5, 0.1, -0.6],
+        latents_std=[1.5, 0.8, 2.0, 1.2],
+    )
+
+
+def _qwen_transformer(joint_dim: int) -> Any:
+    """A 2-block QwenImageTransformer2DModel on 2x2-packed 4-channel latents (RoPE 4+6+6=16)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=joint_dim,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def _qwen_flow_match() -> Any:
+    """Qwen-Image's scheduler config: exponential dynamic shift by image tokens, terminal 0.02."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
     )
 
 
@@ -306,12 +422,26 @@ def _flux_parts() -> tuple[str, Builders, dict[str, Any]]:
     return "FluxPipeline", builders, {"image_encoder": None, "feature_extractor": None}
 
 
+def _qwenimage_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """QwenImagePipeline parts: Qwen2.5-VL (32) feeds the MMDiT; a Wan-style video VAE."""
+    vocab = len(qwen_tokenizer())
+    builders: Builders = {
+        "transformer": lambda: _qwen_transformer(joint_dim=32),
+        "vae": _qwen_vae,
+        "text_encoder": lambda: _qwen_vl(vocab),
+        "tokenizer": qwen_tokenizer,
+        "scheduler": _qwen_flow_match,
+    }
+    return "QwenImagePipeline", builders, {}
+
+
 PARTS = {
     "sd": lambda: _sd_parts(v_prediction=False),
     "sd2": lambda: _sd_parts(v_prediction=True),
     "sdxl": _sdxl_parts,
     "sd3": _sd3_parts,
     "flux": _flux_parts,
+    "qwenimage": _qwenimage_parts,
 }
 
 
@@ -320,8 +450,8 @@ def build_pipeline(kind: str, *, seed: int = 0) -> Any:
     import diffusers
     import torch
 
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(ALL_KINDS)}")
     class_name, builders, extra = PARTS[kind]()
     components = {}
     for name, build in builders.items():
@@ -349,7 +479,7 @@ def write_tiny_folder(
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: write one tiny folder and print its path."""
     parser = argparse.ArgumentParser(prog="python -m splitstage.tiny_diffusers")
-    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("kind", choices=ALL_KINDS)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-size", default=None, help="shard the denoiser, e.g. 20KB")

@@ -1,8 +1,9 @@
-"""The `[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux (torch-free)."""
+"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, qwenimage (torch-free)."""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import ClassVar, Literal
 
 from pydantic import model_validator
@@ -172,3 +173,57 @@ class FluxPipelineConfig(FlowRecipe):
     guidance_scale: float = setting(
         3.5, stage1=False, ge=0.0, description="Guidance the model is told (guidance-distilled)."
     )
+
+
+class QwenImagePipelineConfig(FlowRecipe):
+    """Qwen-Image: Qwen2.5-VL prompt embeddings with their mask, a video VAE normalised per
+    channel, an MMDiT on 2x2-packed latents, flow matching with the scheduler's dynamic shift."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.qwenimage:QwenImageFamily"
+    name: Literal["qwenimage"] = "qwenimage"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    max_pixels: int | None = setting(
+        None,
+        stage1=True,
+        ge=64 * 64,
+        description="Pixels per image (the source text's max_pixels), instead of resolution: "
+        "the aspect buckets' area when [data.buckets] is on (unless data.buckets.area is set), "
+        "else the square of side isqrt(max_pixels) rounded down to a multiple of 16.",
+    )
+    max_prompt_length: int = setting(
+        512,
+        stage1=True,
+        ge=1,
+        le=1024,
+        description="Prompt tokens after the template's system prefix (QwenImagePipeline's "
+        "max_sequence_length); embeddings are cached padded to it, with their mask.",
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "none",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names).",
+    )
+    dynamic_shift: bool = setting(
+        True,
+        stage1=False,
+        description="Draw timesteps from the scheduler's table shifted for each image's token "
+        "count (calculate_shift, as QwenImagePipeline samples); false: its unshifted table, "
+        "as diffusers' train_dreambooth_lora_qwen_image.",
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> QwenImagePipelineConfig:
+        if self.max_pixels is not None and "resolution" in self.model_fields_set:
+            raise ValueError(
+                "max_pixels and resolution both give the image size; remove pipeline.resolution "
+                "(max_pixels is the area) or pipeline.max_pixels"
+            )
+        return self
+
+    def square_side(self) -> int:
+        """The square side images train at without buckets: resolution, or from max_pixels."""
+        if self.max_pixels is None:
+            return self.resolution
+        return max(math.isqrt(self.max_pixels) // self.pixel_multiple * self.pixel_multiple, 64)

@@ -7,8 +7,9 @@ component (`unet`, `transformer`, `text_encoder`, `text_encoder_2`, `text_encode
 - diffusers (`save_lora_weights`): `<component>.<module>.lora_A.weight`, plus the adapter metadata
   diffusers >= 0.34 reads back into the `LoraConfig`, so lora_alpha != r loads at scale alpha / r.
 - kohya / ComfyUI: `<prefix>_<module with dots as underscores>.lora_down.weight`, `.lora_up.weight`
-  and a scalar `.alpha`; prefixes `lora_unet` (SD, SDXL), `lora_transformer` (SD3, FLUX: the
-  OneTrainer spelling ComfyUI maps), `lora_te` (SD 1.x/2.x), `lora_te1`/`lora_te2`/`lora_te3`.
+  and a scalar `.alpha`; prefixes `lora_unet` (SD, SDXL; Qwen-Image's transformer, as musubi-tuner
+  writes it), `lora_transformer` (SD3, FLUX: the OneTrainer spelling ComfyUI maps), `lora_te`
+  (SD 1.x/2.x), `lora_te1`/`lora_te2`/`lora_te3`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-FAMILIES = ("sd", "sdxl", "sd3", "flux")
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "qwenimage")
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 
 KOHYA_PREFIX = {
@@ -37,6 +38,8 @@ KOHYA_PREFIX = {
         "text_encoder": "lora_te1",
         "text_encoder_2": "lora_te2",
     },
+    # musubi-tuner's spelling for Qwen-Image, which diffusers' Qwen LoRA converter reads back
+    "qwenimage": {"transformer": "lora_unet"},
 }
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -46,8 +49,15 @@ KOHYA_NETWORK_MODULE = {
     "sdxl": "networks.lora",
     "sd3": "networks.lora_sd3",
     "flux": "networks.lora_flux",
+    "qwenimage": "networks.lora_qwen_image",
 }
-KOHYA_BASE_VERSION = {"sd": "sd_v1", "sdxl": "sdxl_base_v1-0", "sd3": "sd3", "flux": "flux1"}
+KOHYA_BASE_VERSION = {
+    "sd": "sd_v1",
+    "sdxl": "sdxl_base_v1-0",
+    "sd3": "sd3",
+    "flux": "flux1",
+    "qwenimage": "qwen_image",
+}
 
 # CLIPTextModel is flattened in transformers 5 (no `text_model.`); files keep the classic spelling
 _CLIP_FLAT_ROOTS = ("embeddings.", "encoder.layers.", "final_layer_norm.")

@@ -21,6 +21,7 @@ BUILTIN_FAMILIES = {
     "sdxl": "splitstage.pipelines.diffusers.config:SDXLPipelineConfig",
     "sd3": "splitstage.pipelines.diffusers.config:SD3PipelineConfig",
     "flux": "splitstage.pipelines.diffusers.config:FluxPipelineConfig",
+    "qwenimage": "splitstage.pipelines.diffusers.config:QwenImagePipelineConfig",
     "diffsynth": "splitstage.pipelines.diffsynth.config:DiffSynthPipelineConfig",
 }
 _registered: dict[str, Any] = {}

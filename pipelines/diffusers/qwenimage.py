@@ -1,0 +1,228 @@
+"""Qwen-Image: Qwen2.5-VL prompt embeddings with their mask, a video VAE normalised per channel,
+an MMDiT on 2x2-packed latents, flow matching on the scheduler's dynamically shifted table.
+
+Stage 1 caches the prompt embeddings and mask (padded to max_prompt_length) and the VAE's latent
+distribution; every step draws a latent, normalises it with latents_mean / latents_std, drops
+captions, draws noise and a timestep, as QwenImagePipeline and diffusers' Qwen-Image LoRA
+script compute them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitstage.config.job import ConfigError
+from splitstage.data.buckets import BucketError, Buckets
+from splitstage.pipelines.diffusers.base import DTYPES, drop_captions
+from splitstage.pipelines.diffusers.components import build_empty
+from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
+from splitstage.pipelines.diffusers.qwenimage_latents import (
+    decode_frames,
+    encode_frames,
+    image_shapes,
+    make_normalising_sampler,
+    pack,
+)
+from splitstage.pipelines.diffusers.qwenimage_sampling import image_shift, qwenimage_sample
+from splitstage.pipelines.diffusers.qwenimage_text import (
+    check_template_prefix,
+    encode_prompts,
+    load_text_encoder,
+)
+from splitstage.pipelines.diffusers.recipes import flow_draw, flow_scheduler
+from splitstage.pipelines.diffusers.text import split_empty, with_empty
+from splitstage.pipelines.family import TrainingStep
+from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.splitter import Unit
+
+# The source text's Qwen-Image LoRA targets (DiffSynth-Studio's example): both attention streams,
+# the image / text MLP outputs and the modulation layers.
+QWEN_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_out.0",
+    "to_add_out",
+    "img_mlp.net.2",
+    "img_mod.1",
+    "txt_mlp.net.2",
+    "txt_mod.1",
+)
+# diffusers' own QwenImageTransformer2DModel._tp_plan: heads column-sharded, MLPs Megatron-style;
+# the modulation layers stay replicated.
+QWEN_TP = {
+    "transformer_blocks.*.attn.to_q": "colwise",
+    "transformer_blocks.*.attn.to_k": "colwise",
+    "transformer_blocks.*.attn.to_v": "colwise",
+    "transformer_blocks.*.attn.to_out.0": "rowwise",
+    "transformer_blocks.*.attn.add_q_proj": "colwise",
+    "transformer_blocks.*.attn.add_k_proj": "colwise",
+    "transformer_blocks.*.attn.add_v_proj": "colwise",
+    "transformer_blocks.*.attn.to_add_out": "rowwise",
+    "transformer_blocks.*.img_mlp.net.0.proj": "colwise",
+    "transformer_blocks.*.img_mlp.net.2": "rowwise",
+    "transformer_blocks.*.txt_mlp.net.0.proj": "colwise",
+    "transformer_blocks.*.txt_mlp.net.2": "rowwise",
+}
+
+
+class QwenImageFamily(FlowTransformerFamily):
+    """Qwen-Image (QwenImagePipeline folders)."""
+
+    name = "qwenimage"
+    default_guidance = 4.0  # QwenImagePipeline's true_cfg_scale
+    model_names = ("text_encoder", "vae", "transformer")
+    pipeline_classes = ("QwenImagePipeline",)
+    text_params = ("prompt_embeds", "prompt_embeds_mask")
+    text_models = ("text_encoder",)
+    denoiser_params = ("prompt_embeds", "prompt_embeds_mask")
+    default_lora_targets = QWEN_LORA_TARGETS
+    tp_plans = {"transformer": QWEN_TP}
+
+    # -- units -----------------------------------------------------------------------------------
+    def units(self) -> list[RunnableUnit]:
+        """Prompt encoding, one-frame VAE encoding, per-step normalised latents, caption dropout."""
+        for key in ("latents_mean", "latents_std", "z_dim"):
+            if key not in self.vae_config:
+                raise ConfigError(
+                    f"pipeline.pretrained: {self.folder.root}/vae/config.json has no {key}; "
+                    "give the AutoencoderKLQwenImage config saved with Qwen-Image"
+                )
+        mean_only = self.config.pipeline.vae_latents == "mean"
+        latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
+        empty = tuple(f"empty_{p}" for p in self.text_params)
+        return [
+            self.text_unit(),
+            RunnableUnit(
+                Unit(
+                    "VAEEncoder",
+                    ("image",),
+                    output_params=latent_params,
+                    onload_model_names=("vae",),
+                ),
+                encode_frames,
+            ),
+            RunnableUnit(
+                Unit(
+                    "LatentSampler", latent_params, output_params=("input_latents",), per_step=True
+                ),
+                make_normalising_sampler(self.vae_config),
+            ),
+            RunnableUnit(
+                Unit(
+                    "CaptionDropout",
+                    self.text_params + empty,
+                    output_params=self.text_params,
+                    per_step=True,
+                ),
+                drop_captions,
+            ),
+        ]
+
+    def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
+        """Embeddings [B, L, D] and mask [B, L] of the prompts and of '' (caption dropout)."""
+        texts = with_empty(prompt)
+        encoder = ctx.model("text_encoder", "PromptEncoder")
+        length = self.config.pipeline.max_prompt_length
+        embeds, mask = encode_prompts(
+            encoder, self.tokenizer("text_encoder"), texts, length, ctx.device
+        )
+        return split_empty({"prompt_embeds": embeds, "prompt_embeds_mask": mask}, len(prompt))
+
+    # -- sizes -----------------------------------------------------------------------------------
+    def image_resolution(self) -> tuple[int, int]:
+        """The square side (resolution, or from max_pixels) and the multiple of 16 packing needs."""
+        return self.config.pipeline.square_side(), self.config.pipeline.pixel_multiple
+
+    @cached_property
+    def buckets(self) -> Buckets | None:
+        """`[data.buckets]` sized by max_pixels (the area) unless data.buckets.area is set."""
+        config = self.config.data.buckets
+        max_pixels = self.config.pipeline.max_pixels
+        if not config.enabled or max_pixels is None or config.area is not None:
+            return super().buckets
+        try:
+            return Buckets(config.model_copy(update={"area": max_pixels}), *self.image_resolution())
+        except BucketError as error:
+            raise ConfigError(str(error)) from None
+
+    @property
+    def vae_scale(self) -> int:
+        """Pixels per latent along a side (QwenImagePipeline's vae_scale_factor)."""
+        return 2 ** len(self.vae_config.get("temperal_downsample", [False, True, True]))
+
+    # -- models ----------------------------------------------------------------------------------
+    def check_models(self, names: Sequence[str]) -> None:
+        """The components are in the folder; the tokenizer's template prefix is the dropped one."""
+        super().check_models(names)
+        if "text_encoder" in names:
+            check_template_prefix(self.tokenizer("text_encoder"))
+
+    def build_model(self, name: str, device: torch.device, *, meta: bool = False) -> nn.Module:
+        """As the other families; the text encoder loads under transformers' renamed keys."""
+        if name == "text_encoder" and not meta:
+            component = self.folder.component(name)
+            return load_text_encoder(component, device, DTYPES[self.config.pipeline.precision])
+        if name == "text_encoder":
+            return build_empty(self.folder.component(name))
+        return super().build_model(name, device, meta=meta)
+
+    def weights_file(self, name: str) -> tuple[str, str] | None:
+        """Slices of the transformer / VAE files; the text encoder is built loaded (its file
+        keys are not its module names)."""
+        return None if name == "text_encoder" else super().weights_file(name)
+
+    # -- the training step -----------------------------------------------------------------------
+    def training_schedule(self, tokens: int):
+        """The scheduler's 1000-step table, shifted for `tokens` image tokens (dynamic_shift),
+        else its unshifted one; one per token count, built once."""
+        if not self.config.pipeline.dynamic_shift:
+            return self.noise_scheduler
+        tables = self.__dict__.setdefault("_shift_tables", {})
+        if tokens not in tables:
+            table = flow_scheduler(self.scheduler_config)
+            mu = image_shift(self.scheduler_config, tokens)
+            table.set_timesteps(table.config.num_train_timesteps, mu=mu)
+            tables[tokens] = table
+        return tables[tokens]
+
+    def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
+        """x_t = (1 - sigma) x0 + sigma noise on packed latents, sigma = t / 1000 from the shifted
+        table; target noise - x0; the prompt mask and img_shapes as the pipeline passes them."""
+        x0 = inputs["input_latents"].to(ctx.device, torch.float32)
+        tokens = (x0.shape[-2] // 2) * (x0.shape[-1] // 2)
+        draw = flow_draw(ctx, x0, self.training_schedule(tokens))
+        inputs.update(noise=draw["noise"], timestep=draw["timestep"], latents=draw["latents"])
+        dtype = self.denoiser_dtype(ctx)
+        kwargs = {
+            "hidden_states": pack(draw["latents"]).to(dtype),
+            "timestep": (draw["timestep"] / 1000).to(dtype),
+            "encoder_hidden_states": inputs["prompt_embeds"].to(ctx.device, dtype),
+            "encoder_hidden_states_mask": inputs["prompt_embeds_mask"].to(ctx.device),
+            "img_shapes": image_shapes(x0),
+        }
+        return TrainingStep((), pack(draw["target"]), draw["weight"], kwargs)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def tp_prepare(self, model: nn.Module, tp_degree: int) -> None:
+        """Nothing: Qwen-Image's attention processor takes the head size from the unsharded
+        config and lets the sharded width give the heads per rank."""
+
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
+        """QwenImagePipeline's loop: shifted FlowMatchEuler, true CFG with its norm rescale."""
+        size = self.sample_size(size)
+        return qwenimage_sample(
+            self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
+        )
+
+    def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> one-frame clips decoded -> images in [-1, 1]."""
+        return decode_frames(decoder, self.vae_config, latents)
