@@ -364,11 +364,23 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> Splitstage
         raise ConfigError(format_validation_error(error, source)) from None
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def load_config(path: str | Path) -> SplitstageConfig:
     """Read and validate a TOML job config."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a folder, /dev/zero, a FIFO: never read forever
+        raise ConfigError(f"config {path}: not a regular file; give the path of a TOML job file")
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config {path}: over {MAX_CONFIG_BYTES // 2**20} MiB, not a job config (a few "
+                "KB of TOML); check the path"
+            )
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConfigError(
             f"config {path}: not UTF-8 text (byte {error.start}); save it as UTF-8 TOML"

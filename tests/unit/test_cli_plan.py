@@ -123,3 +123,21 @@ def test_stages_validate_reports_bad_lists(tmp_path, capsys):
     args = ["stages", "--modules", "embed,blocks.0,head", "--validate", str(path)]
     assert main(args) == 2
     assert "module 'blocks.0' is already in stage 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "FOLDER", "BIG"])
+def test_a_config_that_is_not_a_job_file_is_one_line_not_a_hang(tmp_path, path):
+    if path == "FOLDER":
+        path = str(tmp_path)
+    elif path == "BIG":
+        big = tmp_path / "big.toml"
+        big.write_bytes(b"# " + b"x" * (17 * 2**20))
+        path = str(big)
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstage.cli", "validate", path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"config {path}: " in result.stderr and result.stderr.count("\n") == 1
