@@ -204,8 +204,15 @@ class Trainer:
             )
         self.updates_per_epoch = steps_per_epoch // train.gradient_accumulation_steps
         self.tail_cost = self.source.tail_cost()
-        if self.tail_cost["groups"] > 1 or self.tail_cost["dropped"] or self.tail_cost["repeated"]:
+        cost = self.tail_cost
+        tail = cost["dropped"] or cost["repeated"]
+        if self.config.data.buckets.enabled and (cost["groups"] > 1 or tail):
             self.log(self.source.tail_line())
+        elif tail:  # no buckets: the launcher said how samples are grouped
+            self.log(
+                f"each epoch's last partial batch: {cost['dropped']} samples dropped, "
+                f"{cost['repeated']} repeated (data.buckets.tail = '{self.source.tail}')"
+            )
         # Samples all data-parallel replicas consume per update: the epoch position advances by it.
         self.samples_per_update = (
             train.gradient_accumulation_steps * train.batch_size * self.stage2.dp_size
