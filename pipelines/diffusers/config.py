@@ -176,8 +176,10 @@ class FluxPipelineConfig(FlowRecipe):
 
 
 class QwenImagePipelineConfig(FlowRecipe):
-    """Qwen-Image: Qwen2.5-VL prompt embeddings with their mask, a video VAE normalised per
-    channel, an MMDiT on 2x2-packed latents, flow matching with the scheduler's dynamic shift."""
+    """Qwen-Image: Qwen2.5-VL prompts + mask, video VAE, packed MMDiT, shifted flow matching.
+
+    The VAE's latents are normalised per channel (latents_mean / latents_std); timesteps come
+    from the scheduler's table shifted for the image's token count."""
 
     family_class: ClassVar[str] = f"{FAMILY_MODULE}.qwenimage:QwenImageFamily"
     name: Literal["qwenimage"] = "qwenimage"

@@ -56,6 +56,9 @@ QWEN_LORA_TARGETS = (
     "txt_mlp.net.2",
     "txt_mod.1",
 )
+# The last block's text stream is discarded (only the image tokens go to norm_out / proj_out):
+# modules there get no gradient, so a LoRA on them cannot learn, and DDP refuses unused ones.
+DEAD_IN_LAST_BLOCK = ("attn.to_add_out", "txt_mlp.")
 # diffusers' own QwenImageTransformer2DModel._tp_plan: heads column-sharded, MLPs Megatron-style;
 # the modulation layers stay replicated.
 QWEN_TP = {
@@ -179,6 +182,29 @@ class QwenImageFamily(FlowTransformerFamily):
         """Slices of the transformer / VAE files; the text encoder is built loaded (its file
         keys are not its module names)."""
         return None if name == "text_encoder" else super().weights_file(name)
+
+    @cached_property
+    def transformer_modules(self) -> list[str]:
+        """The transformer's module names (built on meta: nothing is read)."""
+        model = build_empty(self.folder.component("transformer"))
+        return [name for name, _ in model.named_modules()]
+
+    def lora_targets(self, name: str) -> list[str]:
+        """The config's targets, else the source text's list, as full module names of the
+        transformer, less those of its last block whose outputs reach no loss (its text
+        stream); a target that names no module is kept, so it is refused by name."""
+        targets = super().lora_targets(name)
+        if name != "transformer":
+            return targets
+        modules = self.transformer_modules
+        last = f"transformer_blocks.{int(self.folder.config('transformer')['num_layers']) - 1}."
+        dead = tuple(last + suffix for suffix in DEAD_IN_LAST_BLOCK)
+        expanded: list[str] = []
+        for target in targets:
+            found = [m for m in modules if m == target or m.endswith(f".{target}")]
+            live = [m for m in found if not m.startswith(dead)]
+            expanded.extend(live if live else [target])
+        return list(dict.fromkeys(expanded))
 
     # -- the training step -----------------------------------------------------------------------
     def training_schedule(self, tokens: int):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.data.dataset import load_metadata
@@ -27,7 +28,9 @@ from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoin
 from splitstage.tasks.stage2.distributed import DistInfo
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tasks.stage2.parallelize import find_blocks
 from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.stage2_step import seed_adapters, trained_model
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -105,7 +108,12 @@ def test_the_plan_caches_prompt_and_vae_encoding_and_trains_the_transformer(root
     assert {"latent_mean", "latent_logvar"} <= cached
     assert sorted(plan.split.models["stage1"]) == ["text_encoder", "vae"]
     assert plan.split.models["stage2"] == ("transformer",)
-    assert plan.family.lora_targets("transformer") == list(QWEN_LORA_TARGETS)
+    # the source text's targets in every block, less the last block's text stream (no gradient)
+    targets = plan.family.lora_targets("transformer")
+    for target in QWEN_LORA_TARGETS:
+        blocks = {name.split(".")[1] for name in targets if name.endswith(f".{target}")}
+        dead = target in ("to_add_out", "txt_mlp.net.2")
+        assert blocks == ({"0"} if dead else {"0", "1"}), target
     # a stage-1 setting changes the cache key; per-step ones do not
     longer = make_plan(job(root, "plan", pipeline={"max_prompt_length": LENGTH + 1}))
     assert longer.cache_key != plan.cache_key
@@ -235,15 +243,78 @@ def trained_from_checkpoint(config, report):
     return plan, model
 
 
-def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root):
+def run(config, root: Path):
+    """Train through the real launcher (torchrun, gloo)."""
+    return train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def split_run(root):
+    """(config, report) of plan -> preprocess -> split training on one torchrun rank."""
     config = job(root, "split", pipeline={"caption_dropout": 0.5})
     assert preprocess(config, workers=1, progress=False).computed == 4
-    report = train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    return config, run(config, root)
+
+
+def test_checkpointing_gives_the_same_loss_and_gradients_and_recomputes_each_block(root):
+    """The family's hook (the transformer's own switch) on the real stage-2 build."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(2, LENGTH, dtype=torch.long)
+    mask[1, 7:] = 0
+    inputs = {
+        "input_latents": torch.randn(2, 4, 8, 8, generator=g),
+        "prompt_embeds": torch.randn(2, LENGTH, 32, generator=g),
+        "prompt_embeds_mask": mask,
+    }
+    results = []
+    for on in (False, True):
+        plan, model = trained_model(job(root, "gc", gradient_checkpointing=on))
+        seed_adapters(model)
+        calls: list[nn.Module] = []
+        for block in find_blocks(model):
+            block.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(module))
+        family = plan.family
+        draws = Draws.shared(torch.Generator().manual_seed(1))
+        ctx = StepContext({"transformer": model}, CPU, draws, family.settings())
+        loss = family.training_loss(ctx, dict(inputs))
+        forward = len(calls)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, forward, len(calls)))
+    (loss_off, grads_off, forward_off, total_off), (loss_on, grads_on, forward_on, total_on) = (
+        results
+    )
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=0)
+    assert grads_on.keys() == grads_off.keys() and grads_off
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-7)
+    assert forward_off == forward_on == total_off == 2  # two blocks, once each
+    assert total_on == 2 * forward_on  # recomputed in backward
+
+
+@pytest.mark.parametrize(("parallelism", "batch_size"), [("tp", 2), ("fsdp", 1), ("ddp", 1)])
+def test_two_ranks_give_the_one_rank_losses(root, split_run, parallelism, batch_size):
+    """TP (diffusers' plan, heads sharded) on the same batch; FSDP2 and DDP with one sample
+    per rank."""
+    config, report = split_run
+    two = job(
+        root,
+        f"split-{parallelism}",
+        pipeline={"caption_dropout": 0.5},
+        parallelism=parallelism,
+        nproc_per_node=2,
+        tp_degree=2 if parallelism == "tp" else 1,
+        batch_size=batch_size,
+    )
+    assert run(two, root).losses == pytest.approx(report.losses, rel=1e-5)
+
+
+def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root, split_run):
+    config, report = split_run
     assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
     assert report.models_loaded == ["transformer"]
     unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit")
-    whole = train(unsplit, run_root=root / "runs", env=ENV, on_line=lambda line: None)
-    assert whole.losses == pytest.approx(report.losses, rel=1e-5)
+    assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
 
     plan, trained = trained_from_checkpoint(config, report)
     _, ctx, step = drawn_step(plan, trained)
