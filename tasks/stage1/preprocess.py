@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from multiprocessing import active_children, get_context
 from typing import Any
 
 import numpy as np
@@ -279,6 +280,28 @@ def _write(store: CacheStore, shard, report: ShardReport) -> None:
         time.sleep(3600)
 
 
+@contextlib.contextmanager
+def ctrl_c_ignored_by_children() -> Iterator[None]:
+    """While the pool spawns its workers (in `submit`), SIGINT is ignored, so they start with it
+    ignored (an ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler): a Ctrl-C during their imports prints no traceback. Main thread
+    only (a flow's thread cannot set handlers; the workers' initializer covers that case)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _leave_ctrl_c() -> None:
+    """Pool-worker start: Ctrl-C in the terminal reaches the whole process group; the
+    coordinator alone handles it (it stops the workers; their shards are written atomically)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex, verify):
     """Process-pool entry: rebuild the config, limit torch threads, run one shard."""
     from splitstage.config.job import SplitstageConfig
@@ -318,12 +341,20 @@ def preprocess(
             1, (os.cpu_count() or 1) // workers
         )
         payload = config.model_dump_json()
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = [
-                pool.submit(_worker, payload, i, workers, threads, data, verify)
-                for i in range(workers)
-            ]
-            reports = [f.result() for f in futures]
+        context = get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_leave_ctrl_c) as pool:
+            try:
+                with ctrl_c_ignored_by_children():
+                    futures = [
+                        pool.submit(_worker, payload, i, workers, threads, data, verify)
+                        for i in range(workers)
+                    ]
+                reports = [f.result() for f in futures]
+            except KeyboardInterrupt:  # the coordinator stops its workers: no traceback each
+                for child in active_children():
+                    child.terminate()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     if shard is None:
         result = summarize_preprocess(config, plan, data, reports, before, workers)
     else:  # one shard of many: the coordinator of the whole run writes the manifest

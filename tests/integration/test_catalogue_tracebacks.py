@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.catalogue import check_one_line, cli
+from tests.helpers.catalogue import check_one_line, cli, config_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -150,3 +150,39 @@ def test_a_full_disk_names_the_path_and_that_it_is_full(what, full_disk):
     assert last.startswith("splitstage.storage.files.StorageFullError: cannot write "), last
     assert str(full_disk) in last and "no space left on device" in last
     assert "inline_container" not in last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [1.0, 6.0])  # while the workers import; while they compute
+def test_ctrl_c_during_preprocess_with_workers_is_one_line(tmp_path, after):
+    """SIGINT to the terminal's process group (what Ctrl-C sends) while two pool workers run:
+    'interrupted', exit 130, no worker traceback, and a rerun finishes the cache."""
+    import signal
+    import time
+
+    import psutil
+
+    from splitstage.data.digits import write_digits_dataset
+    from splitstage.pipelines.demo.weight_files import build_demo_weights
+
+    write_digits_dataset(tmp_path / "data", limit=256)
+    build_demo_weights(tmp_path / "weights")
+    path = tmp_path / "job.toml"
+    path.write_text(config_text(tmp_path) + "[preprocess]\nbatch_size = 1\n")
+    command = [sys.executable, "-m", "splitstage.cli", "preprocess", str(path), "--workers", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while len(psutil.Process(process.pid).children()) < 2:  # both workers started
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
+        time.sleep(0.1)
+    time.sleep(after)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "splitstage: interrupted"
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
