@@ -99,6 +99,7 @@ class QwenImageFamily(FlowTransformerFamily):
                     f"pipeline.pretrained: {self.folder.root}/vae/config.json has no {key}; "
                     "give the AutoencoderKLQwenImage config saved with Qwen-Image"
                 )
+        self.check_template()
         mean_only = self.config.pipeline.vae_latents == "mean"
         latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
         empty = tuple(f"empty_{p}" for p in self.text_params)
@@ -129,6 +130,13 @@ class QwenImageFamily(FlowTransformerFamily):
                 drop_captions,
             ),
         ]
+
+    def check_template(self) -> None:
+        """The tokenizer encodes the template's system prefix into the tokens the pipeline
+        drops (checked once, when the units are first asked for: by every plan, before launch)."""
+        if not self.__dict__.get("_template_checked"):
+            check_template_prefix(self.tokenizer("text_encoder"))
+            self._template_checked = True
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """Embeddings [B, L, D] and mask [B, L] of the prompts and of '' (caption dropout)."""
@@ -163,12 +171,6 @@ class QwenImageFamily(FlowTransformerFamily):
         return 2 ** len(self.vae_config.get("temperal_downsample", [False, True, True]))
 
     # -- models ----------------------------------------------------------------------------------
-    def check_models(self, names: Sequence[str]) -> None:
-        """The components are in the folder; the tokenizer's template prefix is the dropped one."""
-        super().check_models(names)
-        if "text_encoder" in names:
-            check_template_prefix(self.tokenizer("text_encoder"))
-
     def build_model(self, name: str, device: torch.device, *, meta: bool = False) -> nn.Module:
         """As the other families; the text encoder loads under transformers' renamed keys."""
         if name == "text_encoder" and not meta:

@@ -332,3 +332,46 @@ def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root,
         with torch.no_grad():
             loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
         torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
+
+
+def test_a_tokenizer_that_keeps_part_of_the_system_prompt_is_refused_by_validate(root, tmp_path):
+    """A tokenizer that encodes the template's prefix into other than the 34 tokens the pipeline
+    drops would leave system-prompt tokens in the embeddings, silently: `splitstage validate`
+    refuses it in one line (exit 2); a VAE config without latents_mean is refused too."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import Qwen2Tokenizer
+
+    from splitstage.tiny_diffusers import QWEN_SPECIALS, _byte_symbols
+
+    folder = shutil.copytree(root / "qwenimage", tmp_path / "qwenimage")
+    shutil.rmtree(folder / "tokenizer")
+    vocab = {s: i for i, s in enumerate([*_byte_symbols(), *QWEN_SPECIALS])}
+    bytewise = Qwen2Tokenizer(vocab=vocab, merges=[], extra_special_tokens=list(QWEN_SPECIALS[1:]))
+    bytewise.save_pretrained(folder / "tokenizer")
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[pipeline]\nname = "qwenimage"\npretrained = "{folder}"\nresolution = 64\n'
+        f'[trainable]\nlora_base_model = "transformer"\n'
+        f'[data]\nbase_path = "{root / "data"}"\n[cache]\nurl = "{tmp_path / "cache"}"\n'
+        f'[output]\nurl = "{tmp_path / "out"}"\n'
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "splitstage.cli", "validate", str(config)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    lines = [line for line in done.stderr.split("\n") if line and "\r" not in line]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and lines[0].startswith("splitstage: error: "), done.stderr
+    assert "pipeline.pretrained" in lines[0] and "drops 34" in lines[0]
+
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    del vae["latents_mean"]
+    (folder / "vae" / "config.json").write_text(json.dumps(vae))
+    shutil.rmtree(folder / "tokenizer")
+    shutil.copytree(root / "qwenimage" / "tokenizer", folder / "tokenizer")
+    with pytest.raises(ConfigError, match="vae/config.json has no latents_mean"):
+        make_plan(job(root, "bad-vae", pipeline={"pretrained": str(folder)}))
