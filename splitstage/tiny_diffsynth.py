@@ -1,7 +1,9 @@
 """Tiny random DiffSynth-Studio models and offline tokenizers, for the diffsynth family's tests.
 
-Z-Image (ZImageDiT, a small Qwen3 text encoder, small FLUX VAE encoder/decoder) and Wan 2.1
-text-to-video (WanModel, WanTextEncoder, a small Wan VAE), written as safetensors files that
+Z-Image (ZImageDiT, a small Qwen3 text encoder, small FLUX VAE encoder/decoder), Wan 2.1
+text-to-video (WanModel, WanTextEncoder, a small Wan VAE) and Qwen-Image (a small QwenImageDiT,
+a small Qwen2.5-VL text encoder with a cut vocabulary, QwenImageVAE at width 8), written as
+safetensors files that
 DiffSynth's own loader reads. The small classes reuse DiffSynth's blocks; units hard-code 16 latent
 channels and an 8x downsample, which the VAEs keep. `register_entries(...)` gives the
 `[pipeline] register_models` entries (the hash is computed by DiffSynth from the file). Needs
@@ -19,11 +21,14 @@ from typing import Any
 import torch
 from diffsynth.models.flux_vae import DownSampler, FluxVAEDecoder, FluxVAEEncoder, ResnetBlock
 from diffsynth.models.flux_vae import UpSampler as FluxUpSampler
+from diffsynth.models.general_modules import AdaLayerNorm, RMSNorm, TimestepEmbeddings
+from diffsynth.models.qwen_image_dit import QwenEmbedRope, QwenImageDiT, QwenImageTransformerBlock
+from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
 from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
 from diffsynth.models.z_image_text_encoder import ZImageTextEncoder
 from safetensors.torch import save_file
 
-from splitstage.tiny_diffusers import t5_tokenizer
+from splitstage.tiny_diffusers import qwen_tokenizer, t5_tokenizer
 
 MODULE = "splitstage.tiny_diffsynth"
 TEXT_DIM = 32
@@ -102,6 +107,62 @@ class TinyWanVideoVAE(WanVideoVAE):
         self.z_dim = z_dim
 
 
+class TinyQwenImageDiT(QwenImageDiT):
+    """QwenImageDiT of width 32 (2 heads of 16, RoPE axes 4+6+6) on 32-wide text embeddings."""
+
+    def __init__(self, num_layers: int = 1, dim: int = 32, text_dim: int = TEXT_DIM):
+        torch.nn.Module.__init__(self)
+        self.pos_embed = QwenEmbedRope(theta=10000, axes_dim=[4, 6, 6], scale_rope=True)
+        self.time_text_embed = TimestepEmbeddings(
+            256, dim, diffusers_compatible_format=True, scale=1000, align_dtype_to_timestep=False
+        )
+        self.txt_norm = RMSNorm(text_dim, eps=1e-6)
+        self.img_in = torch.nn.Linear(64, dim)
+        self.txt_in = torch.nn.Linear(text_dim, dim)
+        self.transformer_blocks = torch.nn.ModuleList(
+            QwenImageTransformerBlock(dim=dim, num_attention_heads=2, attention_head_dim=dim // 2)
+            for _ in range(num_layers)
+        )
+        self.norm_out = AdaLayerNorm(dim, single=True)
+        self.proj_out = torch.nn.Linear(dim, 64)
+
+
+class TinyQwenImageTextEncoder(QwenImageTextEncoder):
+    """QwenImageTextEncoder around a 2-layer Qwen2.5-VL of width 32 (1-block vision tower), its
+    vocabulary cut to the tiny Qwen2Tokenizer's."""
+
+    def __init__(self, vocab_size: int = 400):
+        torch.nn.Module.__init__(self)
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+
+        text = {
+            "vocab_size": vocab_size,
+            "hidden_size": TEXT_DIM,
+            "intermediate_size": 2 * TEXT_DIM,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+            "rope_theta": 10000.0,
+        }
+        ids = {"bos_token_id": None, "eos_token_id": vocab_size - 1, "pad_token_id": 0}
+        vision = {
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": TEXT_DIM,
+            "fullatt_block_indexes": [0],
+        }
+        config = Qwen2_5_VLConfig(
+            text_config=text | ids, vision_config=vision, vocab_size=vocab_size, **ids
+        )
+        self.model = Qwen2_5_VLModel(config)
+        self.lm_head = torch.nn.Linear(TEXT_DIM, vocab_size, bias=False)
+        self.config = config
+
+
 # Per model: (DiffSynth model_name, class path, constructor kwargs, file name).
 ZIMAGE_MODELS = {
     "dit": (
@@ -173,7 +234,26 @@ WAN_MODELS = {
     ),
     "vae": ("wan_video_vae", f"{MODULE}.TinyWanVideoVAE", {}, "vae.safetensors"),
 }
-MODELS = {"ZImagePipeline": ZIMAGE_MODELS, "WanVideoPipeline": WAN_MODELS}
+QWEN_IMAGE_MODELS = {
+    "dit": ("qwen_image_dit", f"{MODULE}.TinyQwenImageDiT", {}, "dit.safetensors"),
+    "text_encoder": (
+        "qwen_image_text_encoder",
+        f"{MODULE}.TinyQwenImageTextEncoder",
+        {},
+        "text_encoder.safetensors",
+    ),
+    "vae": (
+        "qwen_image_vae",
+        "diffsynth.models.qwen_image_vae.QwenImageVAE",
+        {"base_dim": 8, "num_res_blocks": 1},
+        "vae.safetensors",
+    ),
+}
+MODELS = {
+    "ZImagePipeline": ZIMAGE_MODELS,
+    "WanVideoPipeline": WAN_MODELS,
+    "QwenImagePipeline": QWEN_IMAGE_MODELS,
+}
 
 
 def _class(path: str) -> type:
@@ -252,6 +332,19 @@ def wan_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def qwen_image_tokenizer(folder: Path) -> Path:
+    """The tiny Qwen2Tokenizer (the template's 34-token system prefix, every byte), saved."""
+    qwen_tokenizer().save_pretrained(folder)
+    return folder
+
+
+TOKENIZERS = {
+    "ZImagePipeline": zimage_tokenizer,
+    "WanVideoPipeline": wan_tokenizer,
+    "QwenImagePipeline": qwen_image_tokenizer,
+}
+
+
 def write_tiny_models(pipeline_class: str, folder: str | Path, *, seed: int = 0) -> dict[str, Any]:
     """Write the tiny models of `pipeline_class` and its tokenizer under `folder`; returns
     {"model_paths": [...], "tokenizer_path": ..., "register_models": [...]} for `[pipeline]`."""
@@ -274,6 +367,6 @@ def write_tiny_models(pipeline_class: str, folder: str | Path, *, seed: int = 0)
             | ({"extra_kwargs": kwargs} if kwargs else {})
         )
     tokenizer = folder / "tokenizer"
-    (zimage_tokenizer if pipeline_class == "ZImagePipeline" else wan_tokenizer)(tokenizer)
+    TOKENIZERS[pipeline_class](tokenizer)
     (folder / "models.json").write_text(json.dumps(entries, indent=2))
     return {"model_paths": paths, "tokenizer_path": str(tokenizer), "register_models": entries}

@@ -10,6 +10,21 @@ from pydantic import model_validator
 from splitstage.config.base_group import Group
 from splitstage.config.pipeline_group import PipelineConfig, setting
 
+# The source text's Qwen-Image LoRA targets (DiffSynth's split-training example).
+QWEN_IMAGE_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_out.0",
+    "to_add_out",
+    "img_mlp.net.2",
+    "img_mod.1",
+    "txt_mlp.net.2",
+    "txt_mod.1",
+)
 # Pipeline class -> (its diffsynth module, DiffSynth's usual LoRA targets, training inputs its
 # example train.py sets besides the data: the constants of `get_pipeline_inputs`).
 PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
@@ -22,6 +37,11 @@ PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
         "diffsynth.pipelines.wan_video",
         ("q", "k", "v", "o", "ffn.0", "ffn.2"),
         {"tiled": False, "cfg_merge": False, "vace_scale": 1},
+    ),
+    "QwenImagePipeline": (
+        "diffsynth.pipelines.qwen_image",
+        QWEN_IMAGE_LORA_TARGETS,
+        {"edit_image_auto_resize": True, "zero_cond_t": False},
     ),
 }
 INSTALL_HINT = (

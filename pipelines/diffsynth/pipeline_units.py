@@ -27,6 +27,7 @@ from splitstage.splitter import Unit
 TENSOR_LISTS = {
     "ZImagePipeline": frozenset({"prompt_embeds", "image_embeds", "image_latents"}),
     "WanVideoPipeline": frozenset(),
+    "QwenImagePipeline": frozenset(),
 }
 
 

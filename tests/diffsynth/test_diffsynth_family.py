@@ -1,9 +1,10 @@
 """The diffsynth family end to end with tiny models through DiffSynth-Studio's real loader.
 
-Per pipeline (Z-Image, Wan 2.1 text-to-video): our plan equals DiffSynth's `split_pipeline_units`;
-preprocess -> split training (real torchrun, gloo) -> export; a fresh pipeline `load_lora`s the
-export and its output changes; the first update's loss equals DiffSynth's own unsplit training
-step (its units through its runner, then FlowMatchSFTLoss) on the same sample, seed and timestep.
+Per pipeline (Z-Image, Wan 2.1 text-to-video, Qwen-Image): our plan equals DiffSynth's
+`split_pipeline_units`; preprocess -> split training (real torchrun, gloo) -> export; a fresh
+pipeline `load_lora`s the export and its output changes; the first update's loss equals
+DiffSynth's own unsplit training step (its units through its runner, then FlowMatchSFTLoss) on
+the same sample, seed and timestep.
 """
 
 from __future__ import annotations
@@ -38,7 +39,21 @@ from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "DIFFSYNTH_SKIP_DOWNLOAD": "True"}
-PIPELINES = {"ZImagePipeline": "bf16", "WanVideoPipeline": "fp32"}
+PIPELINES = {"ZImagePipeline": "bf16", "WanVideoPipeline": "fp32", "QwenImagePipeline": "bf16"}
+# The source text's Qwen-Image LoRA (its three commands): these targets, rank 32 (alpha = rank,
+# DiffSynth's default), `--remove_prefix_in_ckpt "pipe.dit."`, `--lora_base_model "dit"`.
+SOURCE_TEXT_TARGETS = [
+    *("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"),
+    *("img_mlp.net.2", "img_mod.1", "txt_mlp.net.2", "txt_mod.1"),
+]
+LORA = {
+    "QwenImagePipeline": {
+        "lora_base_model": "dit",
+        "lora_target_modules": SOURCE_TEXT_TARGETS,
+        "lora_rank": 32,
+        "lora_alpha": 32,
+    }
+}
 SEED = 3
 
 
@@ -68,7 +83,7 @@ def registered(root):
 
 
 def job(root: Path, name: str, **train):
-    """A LoRA job on the dit (rank 4, alpha 8), one sample per step."""
+    """A LoRA job on the dit (rank 4, alpha 8; Qwen-Image: the source text's), one per step."""
     return config_from_dict(job_document(root, name, **train))
 
 
@@ -80,7 +95,7 @@ def job_document(root: Path, name: str, **train) -> dict:
     return {
         "job": {"name": f"{name}-lora", "seed": SEED},
         "pipeline": pipeline,
-        "trainable": {"lora_base_model": "dit", "lora_rank": 4, "lora_alpha": 8},
+        "trainable": LORA.get(name, {"lora_base_model": "dit", "lora_rank": 4, "lora_alpha": 8}),
         "data": {"base_path": str(root / "data")},
         "cache": {"url": str(root / "cache"), "shard_samples": 2},
         "train": {"batch_size": 1, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3} | train,
@@ -133,10 +148,13 @@ def output(pipe, name: str, dit=None) -> torch.Tensor:
     """model_fn on a fixed input (what a LoRA changes), with the pipe's dit or `dit`."""
     torch.manual_seed(0)
     dtype = pipe.torch_dtype
-    shape = (1, 16, 4, 4) if name == "ZImagePipeline" else (1, 16, 1, 4, 4)
+    shape = (1, 16, 1, 4, 4) if name == "WanVideoPipeline" else (1, 16, 4, 4)
     latents = torch.randn(shape).to(dtype)
     if name == "ZImagePipeline":
         cond = {"prompt_embeds": [torch.randn(5, 32).to(dtype)]}
+    elif name == "QwenImagePipeline":
+        cond = {"prompt_emb": torch.randn(1, 5, 32).to(dtype), "height": 32, "width": 32}
+        cond["prompt_emb_mask"] = torch.ones(1, 5, dtype=torch.long)
     else:
         cond = {"context": torch.randn(1, 5, 32).to(dtype)}
     timestep = torch.tensor([500.0]).to(dtype)
@@ -154,6 +172,27 @@ def test_plan_equals_diffsynths_split(root, name):
     assert list(plan.split.v1) == [type(u).__name__ for u in v1]
     assert list(plan.split.v2) == [type(u).__name__ for u in v2]
     assert plan.split.models["stage1"] and "dit" not in plan.split.models["stage1"]
+
+
+def test_qwen_image_job_is_the_source_texts_three_commands(root):
+    """The source text's Qwen-Image LoRA as one job: `--lora_base_model "dit"`, its 12 targets,
+    `--lora_rank 32`, `--remove_prefix_in_ckpt "pipe.dit."`. The split is DiffSynth's
+    `split_pipeline_units(["dit"])` (every unit in stage 1); stage 1 loads what `sft:data_process`
+    keeps (`--offload_models` the transformer), stage 2 what `sft:train` keeps (text encoder and
+    VAE offloaded). Training, parity and export: the QwenImagePipeline cases above."""
+    name = "QwenImagePipeline"
+    config = job(root, name)
+    plan = make_plan(config)
+    assert config.trainable.lora_base_model == "dit" and config.trainable.lora_rank == 32
+    assert plan.family.lora_targets("dit") == SOURCE_TEXT_TARGETS
+    assert config.output.remove_prefix_in_ckpt == "pipe.dit."
+    v1, v2 = pipeline_class(config.pipeline)(device="cpu").split_pipeline_units(["dit"])
+    assert v1 == [] and list(plan.split.v1) == []
+    assert list(plan.split.v2) == [type(u).__name__ for u in v2]
+    sources = plan.family.sources
+    assert sorted(plan.split.models["stage1"]) == ["text_encoder", "vae"]
+    assert [m for m in plan.split.models["stage2"] if m in sources] == ["dit"]
+    assert {"prompt_emb", "prompt_emb_mask", "input_latents"} <= set(plan.split.boundary_params)
 
 
 @pytest.mark.parametrize("name", list(PIPELINES))
@@ -229,6 +268,10 @@ def test_split_training_matches_diffsynth_and_exports_a_lora_it_loads(
     first = metrics[0]["loss"]
     assert min(abs(first - e) for e in expected) <= 1e-6 * max(1.0, abs(first)), (first, expected)
     lora = Path(result.outputs["dit"])
+    keys = load_file(lora).keys()
+    assert keys and not any(k.startswith("pipe.") for k in keys)  # remove_prefix_in_ckpt
+    targets = LORA.get(name, {}).get("lora_target_modules", [])
+    assert all(any(f".{t}.lora_A." in k for k in keys) for t in targets)  # each one trained
     before = output(fresh(name, info), name)
     pipe = fresh(name, info)
     pipe.load_lora(pipe.dit, str(lora))
