@@ -188,13 +188,17 @@ def train(
             )
         except TorchrunError:
             lost = next((lease.lost for lease in leases if lease.lost), None)
-            if lost:
+            finished = (run_dir / "result.json").is_file()  # the ranks wrote it last
+            if lost and finished:  # stopped while the agent was exiting: the run is complete
+                say(f"warning: the run finished, then its lease was lost ({lost})")
+            elif lost:
                 message = f"training stopped: the run's lease was lost ({lost})"
                 raise TrainingStoppedError(message) from None
-            reason = rank_error(run_dir)
-            if reason is None:
-                raise
-            raise TrainingStoppedError(f"training stopped: {reason}") from None
+            else:
+                reason = rank_error(run_dir)
+                if reason is None:
+                    raise
+                raise TrainingStoppedError(f"training stopped: {reason}") from None
     result_file = run_dir / "result.json"
     figures = json.loads(result_file.read_text()) if result_file.is_file() else {}
     return TrainReport(

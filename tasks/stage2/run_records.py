@@ -20,8 +20,20 @@ def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
     """Append one JSON line (a line is written whole: one write of one short string); a full
     disk is named as such."""
     path = Path(run_dir) / METRICS_FILE
-    with storage_errors(str(path), "append metrics to"), path.open("a") as handle:
-        handle.write(json.dumps(record) + "\n")
+    with storage_errors(str(path), "append metrics to"):
+        path.parent.mkdir(parents=True, exist_ok=True)  # deleted mid-run: the records go on
+        with path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def write_result(run_dir: Path, result: dict[str, Any]) -> None:
+    """The run's result.json, written atomically (the launcher reads it as 'the ranks finished')."""
+    path = Path(run_dir) / "result.json"
+    with storage_errors(str(path), "write the result to"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(result, indent=2))
+        partial.replace(path)
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,23 @@ def hyperparameters(config: SplitstageConfig) -> dict[str, Any]:
     return {k: v for k, v in values.items() if isinstance(v, int | float | str | bool)}
 
 
+def quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises a failed write (e.g. its folder deleted mid-run) and
+    Python prints that thread's traceback; the same error reaches the next log call, where
+    `Tracking.guard` says it in one line. So that thread's traceback is not printed; every
+    other thread's still is."""
+    previous = threading.excepthook
+    if getattr(previous, "splitstage_quiet", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+
+    hook.splitstage_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class Tracking:
     """The run's trackers (accelerate's), started on the main process."""
 
@@ -67,6 +85,7 @@ class Tracking:
         self.accelerator, self.log = accelerator, log
         self.active = bool(accelerator.log_with)
         if self.active:
+            quiet_writer_threads()
             project = config.tracking.project or config.job.name
             self.guard(accelerator.init_trackers, project, config=hyperparameters(config))
 

@@ -40,7 +40,7 @@ from splitstage.tasks.stage2.optimization import (
     build_scheduler,
     clip_gradients,
 )
-from splitstage.tasks.stage2.run_records import append_metrics
+from splitstage.tasks.stage2.run_records import append_metrics, write_result
 from splitstage.tasks.stage2.tracking import Tracking, tracker_names
 from splitstage.tasks.stage2.validation import Validator
 
@@ -424,7 +424,7 @@ class Trainer:
             "grids": {str(k): v for k, v in self.validator.grids.items()},  # one per size
         }
         if self.dist.is_main:
-            (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
+            write_result(self.run_dir, result)
         return result
 
     def after_update(self, epoch: int, loss: float, seconds: float) -> None:

@@ -4,6 +4,7 @@ run's lease went), and the rerun on the same host takes the dead holder's lease 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,3 +66,32 @@ def test_killed_launcher_ends_its_ranks_and_the_rerun_takes_the_run(tmp_path):
         train="batch_size = 2\nepochs = 100000\nmax_steps = 12\ncheckpoint_every = 5",
     )
     assert cli(["train", rerun]).wait(timeout=180) == 0  # the dead pid's lease is taken at once
+
+
+def test_an_output_folder_deleted_mid_run_is_one_line_without_thread_tracebacks(tmp_path):
+    """The run's lease goes with its folder: the run stops with one line naming the lost lease;
+    TensorBoard's writer thread, whose folder went too, prints no traceback."""
+    write_digits_dataset(tmp_path / "data", limit=8)
+    write_demo_weights(tmp_path / "weights")
+    train = "batch_size = 2\nepochs = 100000\ncheckpoint_every = 5"
+    path = job(tmp_path, tmp_path, train=train, tracking='report_to = "tensorboard"')
+    assert cli(["preprocess", path]).wait(timeout=120) == 0
+    env = {**os.environ, "SPLITSTAGE_DEVICE": "cpu", "SPLITSTAGE_LEASE_TTL": "3"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "splitstage.cli", "train", path],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "out/catalogue/metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert time.monotonic() < deadline and launcher.poll() is None, "training never started"
+        time.sleep(0.2)
+    shutil.rmtree(tmp_path / "out")
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 2, (out, err)
+    assert "Traceback" not in out + err, out + err
+    assert "training stopped: the run's lease was lost" in err.strip().splitlines()[-1]
