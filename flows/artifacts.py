@@ -154,22 +154,32 @@ def publish_cache_stats(
     )
 
 
-def publish_loss_curve(config: SplitstageConfig, losses: Sequence[float]) -> None:
-    """The loss per update as a PNG embedded in markdown (a data: URI: no file server needed)."""
+def publish_loss_curve(
+    config: SplitstageConfig, losses: Sequence[float], grad_norms: Sequence[float] = ()
+) -> None:
+    """The loss (and pre-clip gradient norm) per update as a PNG embedded in markdown (a data:
+    URI: no file server needed)."""
     if not losses:
         markdown = "No updates ran, so there is no loss curve (the run resumed at its end?)."
     else:
-        png = loss_curve_png(losses, f"{config.job.name}: loss per update")
+        title = f"{config.job.name}: loss per update"
+        png = loss_curve_png(losses, title, grad_norms)
         markdown = (
             f"![loss curve]({png_data_uri(png)})\n\n"
             f"{len(losses)} updates; first loss {losses[0]:.5f}, final loss {losses[-1]:.5f}, "
             f"min {min(losses):.5f}."
         )
+        if grad_norms:
+            clip = config.train.max_grad_norm
+            clipped = f"; clipped to {clip:g}" if clip else ""
+            markdown += (
+                f" Gradient norm: final {grad_norms[-1]:.4g}, max {max(grad_norms):.4g}{clipped}."
+            )
     _publish(
         create_markdown_artifact,
         markdown=markdown,
         key=artifact_key(config, "loss-curve"),
-        description="Training loss per update (mean over ranks).",
+        description="Training loss per update (mean over ranks) and gradient norm.",
     )
 
 

@@ -20,10 +20,16 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def loss_curve_png(losses: Sequence[float], title: str = "training loss") -> bytes:
-    """PNG bytes of loss per update, with a moving average once there are enough points."""
-    figure = Figure(figsize=(6.4, 3.2), dpi=80)
-    axes = figure.add_subplot()
+def loss_curve_png(
+    losses: Sequence[float],
+    title: str = "training loss",
+    grad_norms: Sequence[float] | None = None,
+) -> bytes:
+    """PNG bytes of loss per update, with a moving average once there are enough points, and
+    the pre-clip gradient norm per update below it when given."""
+    norms = list(grad_norms or [])
+    figure = Figure(figsize=(6.4, 5.2 if norms else 3.2), dpi=80)
+    axes = figure.add_subplot(2, 1, 1) if norms else figure.add_subplot()
     updates = list(range(1, len(losses) + 1))
     axes.plot(updates, losses, marker="o" if len(losses) < 30 else None, lw=1, label="loss")
     if len(losses) >= 20:
@@ -34,6 +40,12 @@ def loss_curve_png(losses: Sequence[float], title: str = "training loss") -> byt
     axes.set_ylabel("loss")
     axes.set_title(title)
     axes.grid(alpha=0.3)
+    if norms:
+        below = figure.add_subplot(2, 1, 2, sharex=axes)
+        below.plot(range(1, len(norms) + 1), norms, lw=1, color="tab:orange")
+        below.set_xlabel("update")
+        below.set_ylabel("grad norm")
+        below.grid(alpha=0.3)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")

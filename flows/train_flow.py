@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -31,6 +32,7 @@ from splitstage.flows.versioned_outputs import current_version, run_id_for, warm
 from splitstage.storage.files import join, write_atomic
 from splitstage.tasks.stage2.launch import TrainReport
 from splitstage.tasks.stage2.outputs import open_output
+from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tasks.stage2.torchrun import TorchrunError
 
 REPORT_FILE = "train-report.json"
@@ -107,7 +109,9 @@ def train_flow(
     logger.info(report.line())
     if node_rank != 0:
         return report.to_dict()
-    publish_loss_curve(config, report.losses)
+    records = read_metrics(Path(report.run_dir))  # the run's record, every launch included
+    norms = [record["grad_norm"] for record in records if "grad_norm" in record]
+    publish_loss_curve(config, report.losses, norms)
     extra = {"version": version, "warm_start_from": warm_from}
     extra["report_url"] = write_report(config, report, extra)
     extra["latest"] = write_latest(config, version, report, extra) if version else None

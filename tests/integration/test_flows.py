@@ -60,9 +60,14 @@ def test_retry_condition_reads_the_failed_states_exception():
     assert not retry_on_io(None, None, Failed(data=ConfigError("models.vae.weights: missing")))
 
 
-def test_loss_curve_is_a_png():
-    png = loss_curve_png([1.0 / (i + 1) for i in range(40)])
+def test_loss_curve_is_a_png_with_the_gradient_norm_below_when_given():
+    losses = [1.0 / (i + 1) for i in range(40)]
+    png = loss_curve_png(losses)
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) < 100_000
+    both = loss_curve_png(losses, grad_norms=[0.5 + 0.01 * i for i in range(40)])
+    assert both.startswith(b"\x89PNG\r\n\x1a\n") and len(both) < 150_000
+    height = lambda png: int.from_bytes(png[20:24], "big")  # noqa: E731 - the IHDR height
+    assert height(both) > height(png)
 
 
 def test_artifact_keys_and_versions_are_well_formed():
@@ -206,6 +211,7 @@ def test_incremental_rerun_writes_new_version_and_artifacts(prefect_harness, tin
     assert artifacts[f"{job}-preprocess-progress"][-1].data == 100.0
     assert artifacts[f"{job}-index-progress"][-1].data == 100.0
     assert "data:image/png;base64," in artifacts[f"{job}-loss-curve"][-1].data
+    assert "Gradient norm: final " in artifacts[f"{job}-loss-curve"][-1].data
     assert second["weights"]["dit"] in artifacts[f"{job}-summary"][-1].data
 
 
