@@ -61,9 +61,16 @@ class Family:
     denoiser: ClassVar[str]  # the in-iteration model the training step calls
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out")
     tp_plans: ClassVar[Mapping[str, Mapping[str, str]]] = {}  # model -> FQN pattern -> style
+    tasks: ClassVar[tuple[str, ...]] = ("sft",)  # the train.task values this family trains
 
     def __init__(self, config: SplitstageConfig):
         self.config = config
+        task = config.train.task
+        if task not in self.tasks:
+            raise ConfigError(
+                f"train.task={task!r}: the {self.name} family trains "
+                f"{', '.join(map(repr, self.tasks))}; set train.task to one of them"
+            )
 
     # -- units and the splitter's view ---------------------------------------------------------
     def units(self) -> list[RunnableUnit]:

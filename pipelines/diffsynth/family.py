@@ -6,6 +6,11 @@ equals DiffSynth's `split_pipeline_units`. The training loss is DiffSynth's `Flo
 called on the pipeline with the in-iteration models of this step, its global-RNG draws (timestep,
 noise) seeded from the sample's draws. DiffSynth trains one sample per step: train.batch_size
 must be 1 (use train.gradient_accumulation_steps for more samples per update).
+
+train.task = "direct_distill" trains with DiffSynth's DirectDistillLoss: each row carries the
+teacher's `seed` and `num_inference_steps` (DiffSynth's metadata columns), so the starting noise
+(the noise unit, from the row's seed) is a function of the row: no unit becomes per-step, the
+noise and the image's latents are cached in stage 1, the few-step loop runs in stage 2.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch import nn
 from splitstage.config.job import ConfigError
 from splitstage.data.dataset import Row, decode_image, read_image_bytes
 from splitstage.data.images import center_crop_resize
-from splitstage.pipelines.diffsynth.adapter import pipeline_from_diffsynth
+from splitstage.pipelines.diffsynth.adapter import DEFAULT_STEP_PARAMS, pipeline_from_diffsynth
 from splitstage.pipelines.diffsynth.config import PIPELINES
 from splitstage.pipelines.diffsynth.loader import (
     DTYPES,
@@ -47,6 +52,18 @@ BASE_INPUTS = {
     "use_gradient_checkpointing": False,
     "use_gradient_checkpointing_offload": False,
 }
+# train.task -> (DiffSynth's loss in diffsynth.diffusion.loss, the params it reads from the
+# inputs, the params it makes fresh each step).
+LOSSES = {
+    "sft": ("FlowMatchSFTLoss", ("input_latents",), DEFAULT_STEP_PARAMS),
+    "direct_distill": (
+        "DirectDistillLoss",
+        ("input_latents", "latents", "num_inference_steps"),
+        ("timestep", "progress_id"),
+    ),
+}
+# Row columns direct distillation requires (DiffSynth's metadata; rand_device, cfg_scale optional).
+DISTILL_COLUMNS = ("seed", "num_inference_steps")
 
 
 def call_through(module: nn.Module, fn) -> Any:
@@ -64,6 +81,7 @@ class DiffSynthFamily(Family):
 
     name = "diffsynth"
     default_lora_targets = ()
+    tasks = tuple(LOSSES)
 
     def __init__(self, config):
         super().__init__(config)
@@ -137,7 +155,10 @@ class DiffSynthFamily(Family):
     def stage1_settings(self) -> dict[str, Any]:
         """The `[pipeline]` settings that change stage-1 outputs, and how images are scaled
         (DiffSynth's rule, not the diffusers families'): the cache key takes both."""
-        return {**super().stage1_settings(), "resize": RESIZE}
+        task = self.config.train.task
+        return {**super().stage1_settings(), "resize": RESIZE} | (
+            {} if task == "sft" else {"task": task}  # the cache holds the row's starting noise
+        )
 
     # -- units and the splitter's view -----------------------------------------------------------
     def units(self) -> list[RunnableUnit]:
@@ -146,7 +167,8 @@ class DiffSynthFamily(Family):
 
     def pipeline_spec(self) -> Pipeline:
         """What the splitter sees: the pipeline object's declarations (diffsynth/adapter.py)."""
-        return pipeline_from_diffsynth(self.skeleton)
+        _, loss_params, step_params = LOSSES[self.config.train.task]
+        return pipeline_from_diffsynth(self.skeleton, None, loss_params, step_params)
 
     @cached_property
     def unset_params(self) -> tuple[str, ...]:
@@ -166,6 +188,8 @@ class DiffSynthFamily(Family):
         sample = dict.fromkeys(self.unset_params)  # read, never written: None, as `.get` gives
         sample |= {**self.constants(), "prompt": row.prompt, "negative_prompt": ""}
         sample |= {"height": group.height, "width": group.width}
+        if self.config.train.task == "direct_distill":
+            sample |= distill_inputs(row)
         if "video" in group.pipeline_class.lower():
             sample |= {"input_video": [image] * group.num_frames, "num_frames": group.num_frames}
         else:
@@ -254,7 +278,8 @@ class DiffSynthFamily(Family):
         raise ConfigError("the diffsynth family trains through training_loss (no 'pp')")
 
     def training_loss(self, ctx: StepContext, inputs: dict[str, Any]) -> torch.Tensor:
-        """DiffSynth's FlowMatchSFTLoss on this sample, with this step's in-iteration models."""
+        """DiffSynth's loss for train.task (FlowMatchSFTLoss, DirectDistillLoss) on this
+        sample, with this step's in-iteration models."""
         samples = loss_inputs(self.units_of.session, ctx, inputs, self.units_of.lists)
         if len(samples) != 1:
             raise ConfigError(f"train.batch_size: got {len(samples)} samples; set 1")
@@ -268,7 +293,8 @@ class DiffSynthFamily(Family):
             model = ctx.models.get(slot)
             if model is not None and not getattr(model, "diffsynth_absent", False):
                 setattr(pipe, slot, model)
-        loss_fn = diffsynth_module("diffsynth.diffusion.loss").FlowMatchSFTLoss
+        loss_name = LOSSES[self.config.train.task][0]
+        loss_fn = getattr(diffsynth_module("diffsynth.diffusion.loss"), loss_name)
         seed = int(ctx.draws.randint(2**62, 1))  # one sample per step (checked at launch)
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         # The pipeline's torch_dtype decides precision, as in DiffSynth: no autocast on top.
@@ -313,6 +339,28 @@ class DiffSynthFamily(Family):
     def export_metadata(self, model_name: str, lora: bool) -> dict[str, str]:
         """The pipeline class the weights belong to."""
         return {"diffsynth_pipeline": self.group.pipeline_class}
+
+
+def distill_inputs(row: Row) -> dict[str, Any]:
+    """The row's teacher settings DirectDistillLoss reads (seed and steps required)."""
+    missing = [c for c in DISTILL_COLUMNS if row.extras.get(c) in (None, "")]
+    if missing:
+        raise ConfigError(
+            f"{row.where}: train.task = 'direct_distill' needs the column(s) "
+            f"{', '.join(missing)} (the teacher's seed and steps); add them to the metadata"
+        )
+    try:
+        values = {c: int(row.extras[c]) for c in DISTILL_COLUMNS}
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{row.where}: seed and num_inference_steps must be integers "
+            f"(got {row.extras['seed']!r}, {row.extras['num_inference_steps']!r})"
+        ) from None
+    if row.extras.get("rand_device") not in (None, ""):
+        values["rand_device"] = str(row.extras["rand_device"])
+    if row.extras.get("cfg_scale") not in (None, ""):
+        values["cfg_scale"] = float(row.extras["cfg_scale"])
+    return values
 
 
 def _names(value: Any) -> list[str]:

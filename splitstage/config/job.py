@@ -222,6 +222,11 @@ class TrainConfig(Group):
     mode: Literal["split", "unsplit"] = Field(
         "split", description="'split' reads the cache; 'unsplit' runs every unit every step."
     )
+    task: Literal["sft", "direct_distill"] = Field(
+        "sft",
+        description="'sft': supervised flow matching; 'direct_distill': the student's few-step "
+        "sampling from each row's seed matches the teacher-made image (families that support it).",
+    )
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps.")
     batch_size: int = Field(8, ge=1, description="Samples per rank per step.")
