@@ -255,7 +255,9 @@ def cmd_demo_weights(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Check a job config and print its plan and cache key, without running anything."""
     from splitstage.config.job import load_config
+    from splitstage.tasks.device import pick_device
     from splitstage.tasks.job_plan import make_plan
+    from splitstage.tasks.stage2.models import planned_precision
     from splitstage.tasks.stage2.preflight import preflight
 
     config = load_config(args.config)
@@ -263,6 +265,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     checks = preflight(config, plan)
     print(plan_table(plan.split))
     print(f"cache key: {plan.cache_key}")
+    device = pick_device()
+    for line in planned_precision(config, plan.family, device):
+        print(f"stage 2 on {device.type}: {line}")
     for warning in checks.warnings:
         print(f"splitstage: warning: {warning}", file=sys.stderr)
     return 0

@@ -147,6 +147,23 @@ def frozen_base_dtype(
     return native if native is not None else pick_dtype(config.train.mixed_precision, device)
 
 
+def planned_precision(config: SplitstageConfig, family: Family, device: torch.device) -> list[str]:
+    """What each trained model will be held in on `device`, for the plan (the rank logs what it
+    actually holds): 'dit: frozen base bf16 (train.weight_dtype = auto), LoRA params fp32'."""
+    lines = []
+    for name in config.trainable.models():
+        if name == config.trainable.lora_base_model:
+            dtype = DTYPE_NAMES.get(frozen_base_dtype(config, family, name, device), "?")
+            choice = config.train.weight_dtype
+            lines.append(
+                f"{name}: frozen base {dtype} (train.weight_dtype = {choice}), LoRA params fp32"
+            )
+        else:
+            lines.append(f"{name}: trained params fp32 (full fine-tuning: fp32 master weights)")
+    compute = DTYPE_NAMES.get(pick_dtype(config.train.mixed_precision, device), "fp32")
+    return [*lines, f"compute: {compute} (train.mixed_precision = {config.train.mixed_precision})"]
+
+
 def hold_base_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Frozen floating parameters and buffers to `dtype`; trainable parameters stay fp32
     (diffusers' `cast_training_params`) and so do the modules a diffusers / transformers class

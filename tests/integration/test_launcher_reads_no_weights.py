@@ -76,8 +76,11 @@ def test_validate_reads_no_weights(tmp_path, capsys, family, monkeypatch):
     with weight_loads() as seen:
         code = main(["validate", str(path)])
     assert code == 0, capsys.readouterr().err
-    assert "cache key:" in capsys.readouterr().out
-    assert seen == []
+    out = capsys.readouterr().out
+    assert "cache key:" in out and seen == []
+    # the plan says what stage 2 holds each model in (here: a CPU, mixed precision auto)
+    assert "stage 2 on cpu: compute: fp32 (train.mixed_precision = auto)" in out
+    assert "frozen base fp32 (train.weight_dtype = auto), LoRA params fp32" in out
 
 
 def test_the_launcher_reads_no_weights_before_or_while_torchrun_trains(tmp_path):
