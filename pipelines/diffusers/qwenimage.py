@@ -19,6 +19,7 @@ from torch import nn
 from splitstage.config.job import ConfigError
 from splitstage.data.buckets import BucketError, Buckets
 from splitstage.pipelines.diffusers.base import DTYPES, drop_captions
+from splitstage.pipelines.diffusers.component_export import lora_files
 from splitstage.pipelines.diffusers.components import build_empty
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.qwenimage_latents import (
@@ -36,7 +37,7 @@ from splitstage.pipelines.diffusers.qwenimage_text import (
 )
 from splitstage.pipelines.diffusers.recipes import flow_draw, flow_scheduler
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
-from splitstage.pipelines.family import TrainingStep
+from splitstage.pipelines.family import ExportRequest, TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Unit
 
@@ -249,6 +250,23 @@ class QwenImageFamily(FlowTransformerFamily):
         size = self.sample_size(size)
         return qwenimage_sample(
             self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
+        )
+
+    def export_files(
+        self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
+    ) -> dict[str, tuple[str, bytes]]:
+        """As the other families; the kohya metadata's resolution is the trained square side
+        (from max_pixels when that sizes the images)."""
+        if not request.lora:
+            return super().export_files(model_name, state, request)
+        return lora_files(
+            self.name,
+            model_name,
+            state,
+            request,
+            base_model=self.folder.root.name,
+            resolution=self.image_resolution()[0],
+            output_name=self.config.job.name,
         )
 
     def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
