@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 from typing import Protocol
@@ -11,6 +12,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from splitstage.config.job import ConfigError
+from splitstage.pipelines.diffusers.single_file import SingleFileError, single_file_rules
+from splitstage.pipelines.key_rules import Rule
 from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
 from splitstage.storage.safetensors_io import index_weight_map, is_index_path
 
@@ -72,7 +75,10 @@ def build_empty(component: Component) -> nn.Module:
             f"{component.config_dir / 'config.json'} ({_first_line(error)}); fix that config.json "
             "or use the one diffusers saved with the weights"
         ) from None
-    return keep_buffers(model)
+    model = keep_buffers(model)
+    # Stage 2's loader reads an original-layout single file through diffusers' converter.
+    model.original_layout_rules = functools.partial(single_file_rules, model)
+    return model
 
 
 def read_state(path: Path) -> dict[str, torch.Tensor]:
@@ -117,7 +123,21 @@ def check_fits(component: Component) -> None:
     an override that does not fit is refused before anything is launched)."""
     model = build_empty(component)
     shapes = file_shapes(component)
+    rules = _original_layout(component, model, shapes)
+    if rules is not None:
+        shapes = {key: rule.shape(shapes) for key, rule in rules.items()}
     _refuse_misfit(component, model, shapes)
+
+
+def _original_layout(component: Component, model: nn.Module, shapes) -> dict[str, Rule] | None:
+    """The key rules of an original-layout single file (diffusers' converter), else None."""
+    if not _match_keys(model, shapes)[0]:
+        return None
+    try:
+        found = single_file_rules(model, shapes)
+    except SingleFileError as error:
+        raise ConfigError(f"{component.source}: {component.weights}: {error}") from None
+    return None if found is None else found[0]
 
 
 def init_buffers(model: nn.Module) -> None:
@@ -132,6 +152,12 @@ def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) 
     """The component built on meta, loaded from its weights (exactly: strict keys), frozen."""
     model = build_empty(component)
     state = read_state(component.weights)
+    shapes = {key: tuple(t.shape) for key, t in state.items()}
+    rules = _original_layout(component, model, shapes)
+    if rules is not None:
+        state = {
+            k: rule.read(lambda n, r: state[n][r or ()], shapes, None) for k, rule in rules.items()
+        }
     _refuse_misfit(component, model, {key: tuple(t.shape) for key, t in state.items()})
     model.load_state_dict(state, strict=False, assign=True)
     init_buffers(model)
@@ -161,8 +187,8 @@ def _refuse_misfit(
     if found:
         raise ConfigError(
             f"{component.source}: {component.weights} does not fit {component.class_name} "
-            f"({'; '.join(found)}); it must be a diffusers-layout state dict of this architecture "
-            "(original-layout checkpoints need converting)"
+            f"({'; '.join(found)}); it must be a diffusers-layout state dict of this architecture, "
+            "or an original single file of a FLUX / SD3 transformer or an SD UNet"
         )
 
 

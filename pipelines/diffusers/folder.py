@@ -234,8 +234,8 @@ class PipelineFolder:
             if override.key_prefix:
                 raise ConfigError(
                     f"models.{name}.key_prefix: diffusers families read {name} weights as "
-                    "diffusers saves them, keys unprefixed; remove key_prefix (an original-layout "
-                    "checkpoint needs converting to the diffusers layout)"
+                    "diffusers saves them, keys unprefixed, or a BFL FLUX single file as BFL ships "
+                    "it; remove key_prefix"
                 )
             config_dir, weights = _override_paths(Path(override.weights), config_dir, field)
         if not (config_dir / "config.json").is_file():

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from splitstage.pipelines.key_rules import Rule
 from splitstage.splitter import UserError
 from splitstage.storage.safetensors_io import (
     INDEX_SUFFIX,
@@ -89,17 +90,36 @@ class PretrainedFile:
         self.all_keys = names
         # model key -> file key, for the file keys under key_prefix.
         self.keys = {k[len(key_prefix) :]: k for k in names if k.startswith(key_prefix)}
+        self.rules: dict[str, Rule] | None = None  # set by `convert`: an original layout
+        self.layout = ""
+        self.file_shapes: dict[str, tuple[int, ...]] = {}
+
+    def convert(self, rules: dict[str, Rule], layout: str) -> None:
+        """Read the file through `rules` (an original-layout single file): model keys become the
+        rules' keys, each read as slices of the file's own tensors."""
+        self.file_shapes = {name: self._file_shape(name) for name in self.all_keys}
+        self.rules, self.layout = rules, layout
+        self.keys = {key: key for key in rules}
 
     def shape(self, key: str) -> tuple[int, ...]:
         """Global shape of a tensor, read from the header only."""
-        name = self.keys[key]
+        if self.rules is not None:
+            return self.rules[key].shape(self.file_shapes)
+        return self._file_shape(self.keys[key])
+
+    def _file_shape(self, name: str) -> tuple[int, ...]:
         if name in self._tensors:
             return tuple(self._tensors[name].shape)
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A tensor, or only `region` of it (reads only those bytes)."""
-        name = self.keys[key]
+        if self.rules is not None:
+            return self.rules[key].read(self._read_file, self.file_shapes, region)
+        return self._read_file(self.keys[key], region)
+
+    def _read_file(self, name: str, region: tuple[slice, ...] | None) -> torch.Tensor:
+        """The file's own tensor `name`, or only `region` of it."""
         if name in self._tensors:
             tensor = self._tensors[name]
             return tensor if region is None else tensor[region]
@@ -254,20 +274,25 @@ def _check_keys(
     unexpected = set() if ignore_unexpected else set(file.keys) - set(shapes)
     if missing or unexpected:
         lines = [f"weights file {file.path} does not match the model"]
-        if file.key_prefix:
+        if file.layout:
+            lines[0] += f" (read as a {file.layout} single file through diffusers' converter)"
+        elif file.key_prefix:
             lines[0] += f" (with key_prefix={file.key_prefix!r})"
         if missing:
             lines.append(f"{len(missing)} model keys missing from the file: {named(missing)}")
         if unexpected:
             lines.append(f"{len(unexpected)} unexpected keys in the file: {named(unexpected)}")
-        hint = _suggest_prefix(missing, file.all_keys, file.key_prefix) if missing else None
+        hint = None
+        if missing and not file.layout:
+            hint = _suggest_prefix(missing, file.all_keys, file.key_prefix)
         if hint is not None:
             lines.append(f"set key_prefix={hint!r} to read the model's keys under that prefix")
         raise WeightsError("; ".join(lines))
     for key, model_shape in shapes.items():
         if key in file.keys and file.shape(key) != tuple(model_shape):
+            where = f" ({file.layout} layout, converted)" if file.layout else ""
             raise WeightsError(
-                f"weights file {file.path}: key {file.keys[key]!r} has shape "
+                f"weights file {file.path}{where}: key {file.keys[key]!r} has shape "
                 f"{tuple(file.shape(key))} in the file but {tuple(model_shape)} in the model"
             )
 
@@ -299,9 +324,24 @@ def tied_keys(model: nn.Module) -> set[str]:
     return tied
 
 
-def open_and_check(path, key_prefix, shapes, required, ignore_unexpected) -> PretrainedFile:
-    """Open the file (or sharded index) and validate its keys and shapes against the model."""
+def open_and_check(
+    path, key_prefix, shapes, required, ignore_unexpected, model: nn.Module | None = None
+) -> PretrainedFile:
+    """Open the file (or sharded index) and validate its keys and shapes against the model.
+
+    A model that carries `original_layout_rules(header shapes) -> (rules, layout) | None` (a
+    family's hook: diffusers' single-file converters) reads a file in its original layout
+    through those rules, from the header only; its keys the rules do not use are ignored (an SD
+    single file also holds the VAE and the text encoder)."""
     file = PretrainedFile(path, key_prefix)
+    hook = getattr(model, "original_layout_rules", None)
+    if callable(hook) and required - set(file.keys):
+        try:
+            found = hook({name: file._file_shape(name) for name in file.all_keys})
+        except ValueError as error:  # the family's converter refused the file: one line
+            raise WeightsError(f"weights file {path}: {error}") from None
+        if found is not None:
+            file.convert(*found)
     _check_keys(file, shapes, required, ignore_unexpected)
     return file
 
@@ -312,7 +352,7 @@ def check_weights_file(model: nn.Module, path: str | os.PathLike, key_prefix: st
     targets = model_tensors(model)
     shapes = {key: tuple(t.shape) for key, (_, t) in targets.items()}
     required = {key for key in shapes if not is_adapter(key)} - tied_keys(model)
-    open_and_check(os.fspath(path), key_prefix, shapes, required, False)
+    open_and_check(os.fspath(path), key_prefix, shapes, required, False, model)
 
 
 STRATEGIES = ("slices", "broadcast")
@@ -459,7 +499,7 @@ def materialize_and_load(
     file, error = None, None
     if reads_file:
         try:
-            file = open_and_check(path, key_prefix, shapes, required, ignore_unexpected)
+            file = open_and_check(path, key_prefix, shapes, required, ignore_unexpected, model)
         except Exception as exc:
             error = exc
     _raise_agreed(error)

@@ -1,0 +1,76 @@
+"""Diffusers state dicts written back in their original single-file layouts (BFL FLUX, LDM SD
+UNet), by hand from the published key tables: the inverse of diffusers' `from_single_file`
+converters, independent of the key rules under test."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+D = r"transformer_blocks\.(\d+)\."  # a double block
+S = r"single_transformer_blocks\.(\d+)\."  # a single block
+FLUX_RENAMES = [  # diffusers (regex) -> BFL; fused tensors are built in `flux_to_bfl`
+    (r"time_text_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_text_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"time_text_embed\.text_embedder\.linear_1\.", "vector_in.in_layer."),
+    (r"time_text_embed\.text_embedder\.linear_2\.", "vector_in.out_layer."),
+    (r"time_text_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
+    (r"time_text_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+    (r"context_embedder\.", "txt_in."),
+    (r"x_embedder\.", "img_in."),
+    (D + r"norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
+    (D + r"norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
+    (D + r"attn\.norm_q\.weight", r"double_blocks.\1.img_attn.norm.query_norm.scale"),
+    (D + r"attn\.norm_k\.weight", r"double_blocks.\1.img_attn.norm.key_norm.scale"),
+    (D + r"attn\.norm_added_q\.weight", r"double_blocks.\1.txt_attn.norm.query_norm.scale"),
+    (D + r"attn\.norm_added_k\.weight", r"double_blocks.\1.txt_attn.norm.key_norm.scale"),
+    (D + r"ff\.net\.0\.proj\.", r"double_blocks.\1.img_mlp.0."),
+    (D + r"ff\.net\.2\.", r"double_blocks.\1.img_mlp.2."),
+    (D + r"ff_context\.net\.0\.proj\.", r"double_blocks.\1.txt_mlp.0."),
+    (D + r"ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
+    (D + r"attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+    (D + r"attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+    (S + r"norm\.linear\.", r"single_blocks.\1.modulation.lin."),
+    (S + r"attn\.norm_q\.weight", r"single_blocks.\1.norm.query_norm.scale"),
+    (S + r"attn\.norm_k\.weight", r"single_blocks.\1.norm.key_norm.scale"),
+    (S + r"proj_out\.", r"single_blocks.\1.linear2."),
+    (r"proj_out\.", "final_layer.linear."),
+]  # fmt: skip
+
+
+def flux_to_bfl(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """A FluxTransformer2DModel state dict in BFL's flux1-dev.safetensors layout."""
+    out: dict[str, torch.Tensor] = {}
+    fused = {
+        r"^" + D + r"attn\.to_([qkv])\.(\w+)$": "double_blocks.{0}.img_attn.qkv.{2}",
+        r"^" + D + r"attn\.add_([qkv])_proj\.(\w+)$": "double_blocks.{0}.txt_attn.qkv.{2}",
+        r"^" + S + r"attn\.to_([qkv])\.(\w+)$": "single_blocks.{0}.linear1.{2}",
+        r"^" + S + r"proj_(mlp)\.(\w+)$": "single_blocks.{0}.linear1.{2}",
+    }  # fmt: skip
+    order = {"q": 0, "k": 1, "v": 2, "mlp": 3}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        for pattern, target in fused.items():
+            match = re.match(pattern, key)
+            if match:
+                name = target.format(*match.groups())
+                parts.setdefault(name, {})[order[match.group(2)]] = tensor
+                break
+        else:
+            if key.startswith("norm_out.linear."):  # diffusers holds (scale, shift): swap back
+                scale, shift = tensor.chunk(2, dim=0)
+                out[key.replace("norm_out.linear.", "final_layer.adaLN_modulation.1.")] = torch.cat(
+                    [shift, scale]
+                )
+                continue
+            for pattern, target in FLUX_RENAMES:
+                renamed, count = re.subn(f"^{pattern}", target, key)
+                if count:
+                    out[renamed] = tensor
+                    break
+            else:
+                raise KeyError(f"no BFL name for {key}")
+    for name, pieces in parts.items():
+        out[name] = torch.cat([pieces[i] for i in sorted(pieces)])
+    return {prefix + key: tensor.contiguous() for key, tensor in out.items()}

@@ -1,0 +1,111 @@
+"""Original-layout single files (BFL FLUX) as `[models.transformer] weights`: read through
+diffusers' converter as key maps with slice rules, equal to the diffusers-layout folder's load
+under 1 rank and under FSDP2 on 2 ranks (real torchrun, gloo); validation reads headers only.
+
+Run: .venv/bin/python -m pytest -q tests/integration/test_single_file_weights.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitstage.cli import main
+from splitstage.config.job import config_from_dict
+from splitstage.data.digits import write_digits_dataset
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.original_layouts import flux_to_bfl
+from tests.helpers.toml_job import toml
+from tests.helpers.weight_loads import weight_loads
+
+ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+WORKER = Path(__file__).parent / "workers" / "single_file_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A tiny FLUX folder, its transformer written as BFL's flux1-dev.safetensors, a data set."""
+    root = tmp_path_factory.mktemp("single-file")
+    write_tiny_folder("flux", root / "flux")
+    write_digits_dataset(root / "data", limit=4, size=32)
+    state = load_file(root / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")
+    (root / "bfl").mkdir()
+    save_file(flux_to_bfl(state), root / "bfl" / "flux1-dev.safetensors")
+    return root
+
+
+def document(root: Path, name: str, weights: Path | None, **train) -> dict:
+    """A full fine-tuning FLUX job; `weights` overrides the folder's transformer."""
+    models = {"transformer": {"weights": str(weights)}} if weights else {}
+    return {
+        "job": {"name": name},
+        "pipeline": {"name": "flux", "pretrained": str(root / "flux"), "resolution": 64},
+        "models": models,
+        "trainable": {"full": ["transformer"]},
+        "data": {"base_path": str(root / "data")},
+        "cache": {"url": str(root / "cache")},
+        "train": {"batch_size": 2, "max_steps": 1} | train,
+        "output": {"url": str(root / "out")},
+    }
+
+
+def loaded_state(root: Path, out: Path, nproc: int, weights: Path | None, **train) -> dict:
+    """The transformer as stage 2 builds it under `nproc` torchrun ranks, gathered."""
+    out.mkdir(parents=True)
+    config = config_from_dict(document(root, out.name, weights, **train))
+    (out / "config.json").write_text(config.model_dump_json())
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    command += ["--standalone", str(WORKER), str(out / "config.json"), str(out)]
+    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if "Error" in line]
+    assert done.returncode == 0, "\n".join(errors[:5]) or done.stderr[-3000:]
+    return load_file(out / "state-rank0.safetensors")
+
+
+@pytest.fixture(scope="module")
+def folder_load(root, tmp_path_factory) -> dict:
+    """The reference: the diffusers-layout folder's transformer, loaded by stage 2 on 1 rank."""
+    return loaded_state(root, tmp_path_factory.mktemp("ref") / "folder", 1, None)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_bfl_flux_file_loads_as_the_diffusers_folder(root, tmp_path, folder_load, nproc):
+    train = {"parallelism": "fsdp", "nproc_per_node": 2} if nproc == 2 else {}
+    bfl = root / "bfl" / "flux1-dev.safetensors"
+    state = loaded_state(root, tmp_path / f"bfl-{nproc}", nproc, bfl, **train)
+    original = load_file(root / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert set(state) == set(folder_load) == set(original)
+    for key, tensor in folder_load.items():
+        assert torch.equal(state[key], tensor), key
+        assert torch.equal(tensor, original[key]), key
+
+
+def test_validate_reads_only_the_header_of_a_bfl_file(root, tmp_path, capsys):
+    bfl = root / "bfl" / "flux1-dev.safetensors"
+    path = tmp_path / "job.toml"
+    path.write_text(toml(document(root, "bfl-validate", bfl)))
+    with weight_loads() as seen:
+        code = main(["validate", str(path)])
+    assert code == 0, capsys.readouterr().err
+    assert seen == []
+
+
+def test_the_cache_key_fingerprints_the_file_as_it_is(root, tmp_path):
+    bfl = root / "bfl" / "flux1-dev.safetensors"
+    config = config_from_dict(document(root, "fp", bfl))
+    plan = make_plan(config)
+    other = tmp_path / "flux1-dev.safetensors"
+    state = load_file(bfl)
+    state["final_layer.linear.bias"] = state["final_layer.linear.bias"] + 1
+    save_file(state, other)
+    changed = make_plan(config_from_dict(document(root, "fp", other)))
+    assert plan.model_fingerprint("transformer") != changed.model_fingerprint("transformer")

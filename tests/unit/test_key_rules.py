@@ -1,0 +1,63 @@
+"""Key rules found by running a converter on a row-id proxy: renames, dim-0 splits and row
+swaps read exactly (whole or by region); anything else is refused; unread layouts say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitstage.pipelines.diffusers.single_file import SingleFileError, single_file_rules
+from splitstage.pipelines.key_rules import KeyRuleError, derive_rules
+
+
+def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A converter in diffusers' style: a rename, a fused qkv split, a shift/scale swap."""
+    q, k, v = torch.chunk(state["qkv"], 3, dim=0)
+    shift, scale = state["mod"].chunk(2, dim=0)
+    return {"w": state["a"], "q": q, "k": k, "v": v, "norm": torch.cat([scale, shift])}
+
+
+def test_rules_read_what_the_converter_computes_region_by_region():
+    state = {"a": torch.randn(4, 3), "qkv": torch.randn(6, 5), "mod": torch.randn(8)}
+    shapes = {key: tuple(t.shape) for key, t in state.items()}
+    rules = derive_rules(convert, shapes)
+    want = convert(dict(state))
+    assert rules["w"].is_rename(shapes) and not rules["k"].is_rename(shapes)
+
+    def read(name, region):
+        return state[name] if region is None else state[name][region]
+
+    for key, rule in rules.items():
+        assert rule.shape(shapes) == tuple(want[key].shape)
+        assert torch.equal(rule.read(read, shapes, None), want[key])
+        rows = want[key].shape[0]
+        for lo, hi in [(0, 1), (1, rows), (rows // 2, rows), (rows, rows)]:
+            region = (slice(lo, hi), *(slice(0, n) for n in want[key].shape[1:]))
+            assert torch.equal(rule.read(read, shapes, region), want[key][region]), (key, lo)
+
+
+def test_a_converter_that_computes_values_is_refused():
+    with pytest.raises(KeyRuleError, match="w: the converter"):
+        derive_rules(lambda s: {"w": s["a"] * 2}, {"a": (4, 3)})
+    with pytest.raises(KeyRuleError, match="beyond rows"):
+        derive_rules(lambda s: {"w": s["a"].reshape(1, -1).repeat(2, 1)}, {"a": (4, 1)})
+
+
+def test_an_ldm_unet_single_file_is_refused_in_one_line():
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    with init_empty_weights():
+        unet = UNet2DConditionModel(
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            norm_num_groups=8,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32,
+        )
+    shapes = {"model.diffusion_model.input_blocks.0.0.weight": (32, 4, 3, 3)}
+    with pytest.raises(SingleFileError, match="not read yet; convert it once") as error:
+        single_file_rules(unet, shapes)
+    assert "\n" not in str(error.value)
+    assert single_file_rules(unet, {"conv_in.weight": (32, 4, 3, 3)}) is None
