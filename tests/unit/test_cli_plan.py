@@ -141,3 +141,16 @@ def test_a_config_that_is_not_a_job_file_is_one_line_not_a_hang(tmp_path, path):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"config {path}: " in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_task_the_family_cannot_train_is_one_line_before_anything_runs(tmp_path, capsys):
+    from splitstage.data.digits import write_digits_dataset
+    from splitstage.pipelines.demo.weight_files import build_demo_weights
+    from tests.helpers.catalogue import check_one_line, config_text, run_cli
+
+    write_digits_dataset(tmp_path / "data", limit=2)
+    build_demo_weights(tmp_path / "weights")
+    path = tmp_path / "job.toml"
+    path.write_text(config_text(tmp_path) + '[train]\ntask = "direct_distill"\n')
+    code, err = run_cli(["validate", str(path)], capsys)
+    check_one_line(code, err, "train.task", "direct_distill")
