@@ -62,8 +62,9 @@ def single_file_rules(
     name = _class_name(model)
     if name not in READ:
         raise SingleFileError(
-            f"is a {LAYOUTS[name][0]} single file, which is not read yet; convert it once "
-            f"({name}.from_single_file(path).save_pretrained(DIR)) and set weights = 'DIR'"
+            f"is in the {LAYOUTS[name][0]} single-file layout, which is not read yet; convert "
+            f"it once ({name}.from_single_file(path).save_pretrained(DIR)) and set weights = "
+            "'DIR'"
         )
     convert = SINGLE_FILE_LOADABLE_CLASSES[name]["checkpoint_mapping_fn"]
     config: dict[str, Any] = dict(plain.config)
