@@ -13,11 +13,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.family import ExportRequest, Family
-from splitstage.storage.files import ensure_folder, join, storage_errors, write_atomic
+from splitstage.storage.files import ensure_folder, join, open_fs, storage_errors, write_atomic
 from splitstage.storage.safetensors_io import read_header
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
-from splitstage.tasks.stage2.outputs import open_output, output_storage_options
+from splitstage.tasks.stage2.outputs import output_storage_options
 from splitstage.tasks.stage2.resume_identity import IDENTITY, export_metadata
 
 
@@ -83,12 +83,13 @@ def export_weights(
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     url = spec["output_url"]
-    fs, root = open_output(config, url)
+    key = "output_storage_options"  # resolved once by the launcher (run_paths) into the spec
+    options = spec[key] if key in spec else output_storage_options(config, url)
+    fs, root = open_fs(url, options)
     ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
     settings = spec.get("settings") or {}
     request = request_for(config, stage2.lora, family, steps, settings.get("lora_targets"))
     base = export_metadata(settings.get(IDENTITY))
-    options = output_storage_options(config, url)
     written = {}
     for name, state in states.items():
         plain = {key.replace(f".{LORA_ADAPTER}.", "."): t for key, t in state.items()}

@@ -15,7 +15,7 @@ from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segm
 from splitstage.splitter import UserError
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.lease import RunLease
-from splitstage.tasks.stage2.outputs import ERROR_FILE, output_storage_options, run_paths
+from splitstage.tasks.stage2.outputs import ERROR_FILE, URL_KEYS, options_for, run_paths
 from splitstage.tasks.stage2.preflight import Preflight, preflight
 from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 
@@ -83,9 +83,9 @@ def write_spec(
         "run_id": run_id,
         **paths,
         "run_dir": str(run_dir.resolve()),
-        # Checkpoints and outputs on object storage use the cache's endpoint options and,
-        # on its store, its credentials block by name (each rank reads it): never a secret.
-        "checkpoint_storage_options": output_storage_options(config, paths["checkpoint_url"]),
+        # Checkpoints and outputs on object storage use the cache's endpoint options and, on
+        # its store, its credentials block by name (each rank reads it): never a secret. Both
+        # come in `paths` (run_paths resolved them once).
         "settings": checks.settings if checks is not None else None,
         "samples_file": samples_file,
         "split": split,
@@ -211,20 +211,19 @@ def hold_leases(
 ) -> list[RunLease]:
     """Hold the run (its output folder, and a checkpoint URL outside it) against a second
     `train` of the same run; losing the lease cancels this one."""
-    urls = [paths["output_url"]]
-    checkpoints = paths["checkpoint_url"]
-    if not checkpoints.startswith(paths["output_url"].rstrip("/") + "/"):
-        urls.append(checkpoints)
+    keys = ["output_url"]
+    if not paths["checkpoint_url"].startswith(paths["output_url"].rstrip("/") + "/"):
+        keys.append("checkpoint_url")
     return [
         held.enter_context(
             RunLease(
-                url,
-                output_storage_options(config, url),
+                paths[key],
+                options_for(paths, key),
                 ttl=LEASE_TTL_S,
                 on_lost=lambda reason: cancel.set(),
             )
         )
-        for url in urls
+        for key in keys
     ]
 
 
@@ -238,6 +237,6 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def paths_without_run_dir(paths: dict[str, str]) -> dict[str, str]:
+def paths_without_run_dir(paths: dict) -> dict[str, str]:
     """Output and checkpoint URLs."""
-    return {k: v for k, v in paths.items() if k != "run_dir"}
+    return {key: paths[key] for key in URL_KEYS}

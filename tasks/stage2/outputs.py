@@ -35,11 +35,23 @@ def open_output(config: SplitstageConfig, url: str) -> tuple[Any, str]:
 
 
 def run_paths(config: SplitstageConfig, run_id: str, run_root: str | Path = "runs/train") -> dict:
-    """Where a run writes: local run dir (spec, metrics), output URL, checkpoint URL."""
+    """Where a run writes: local run dir (spec, metrics), output URL, checkpoint URL, and the
+    storage options of both, resolved once here (the launcher's checks, leases and the spec
+    the ranks read all take them from this dict)."""
     output = f"{config.output.url.rstrip('/')}/{run_id}"
     checkpoints = config.train.checkpoint_url or f"{output}/checkpoints"
     return {
         "run_dir": str(Path(run_root) / run_id),
         "output_url": output,
         "checkpoint_url": checkpoints,
+        "output_storage_options": output_storage_options(config, output),
+        "checkpoint_storage_options": output_storage_options(config, checkpoints),
     }
+
+
+URL_KEYS = ("output_url", "checkpoint_url")  # the run's places, as a report names them
+
+
+def options_for(paths: dict, url_key: str) -> dict[str, Any] | None:
+    """The resolved storage options of `paths[url_key]` (run_paths' `<x>_storage_options`)."""
+    return paths[url_key.replace("_url", "_storage_options")]

@@ -13,6 +13,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ import torch
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.data.index import DataIndex, index_data_set
 from splitstage.splitter import UserError
-from splitstage.storage.files import StorageError, join, write_atomic
+from splitstage.storage.files import StorageError, join, open_fs, write_atomic
 from splitstage.tasks.cache.batch_plan import plan_epoch
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
@@ -30,10 +31,10 @@ from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBa
 from splitstage.tasks.stage2.export import check_export
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.optimization import check_update_rule
-from splitstage.tasks.stage2.outputs import open_output, output_storage_options
+from splitstage.tasks.stage2.outputs import options_for
 from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
 from splitstage.tasks.stage2.resume import compare, run_settings
-from splitstage.tasks.stage2.resume_identity import IDENTITY, check_resume_base, run_identity
+from splitstage.tasks.stage2.resume_identity import IDENTITY, check_resume_identity, run_identity
 from splitstage.tasks.stage2.tracking import tracker_names
 from splitstage.tasks.stage2.validation import check_validation_sizes
 
@@ -293,7 +294,7 @@ def check_outputs(config: SplitstageConfig, paths: dict[str, str]) -> None:
                 f"{field_name}: memory:// would keep the run's files inside the training "
                 "processes, lost when they end; use a local folder or object storage"
             )
-        probe_writable(config, url, field_name)
+        probe_writable(url, field_name, options_for(paths, key))
     scratch = Path(paths["run_dir"])
     try:
         scratch.mkdir(parents=True, exist_ok=True)
@@ -307,9 +308,10 @@ def check_outputs(config: SplitstageConfig, paths: dict[str, str]) -> None:
         ) from None
 
 
-def probe_writable(config: SplitstageConfig, url: str, field_name: str) -> None:
-    """Write and delete a probe object under `url`: a read-only target fails now, not later."""
-    fs, root = open_output(config, url)
+def probe_writable(url: str, field_name: str, options: dict[str, Any] | None) -> None:
+    """Write and delete a probe object under `url` (opened with its resolved `options`): a
+    read-only target fails now, not later."""
+    fs, root = open_fs(url, options)
     probe = join(root, f".write-probe-{uuid.uuid4().hex}")
     try:
         if "://" not in url or url.startswith("file://"):
@@ -325,17 +327,19 @@ def probe_writable(config: SplitstageConfig, url: str, field_name: str) -> None:
         ) from None
 
 
-def check_resume(config: SplitstageConfig, paths: dict[str, str], result: Preflight) -> None:
-    """A checkpoint to resume from was made with settings this run can continue exactly."""
+def saved_checkpoint(paths: dict) -> tuple[int, str, dict | None] | None:
+    """(step, checkpoint URL, its recorded settings) of the run's latest checkpoint, or None:
+    what the resume checks compare against (listed and read once per launch)."""
     from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state  # DCP
 
-    url = paths["checkpoint_url"]
-    options = output_storage_options(config, url)
+    url = paths.get("checkpoint_url")
+    if not url:  # no run folder named (a check of the config alone)
+        return None
+    options = options_for(paths, "checkpoint_url")
     step = latest_checkpoint(url, storage_options=options, clean=False)
     if step is None:
-        return
-    saved = read_extra_state(url, step, storage_options=options).get("settings")
-    result.warnings += compare(saved, result.settings, step=step, checkpoint_url=url)
+        return None
+    return step, url, read_extra_state(url, step, storage_options=options).get("settings")
 
 
 def precision_warnings(config: SplitstageConfig) -> list[str]:
@@ -363,9 +367,14 @@ def preflight(
     check_gradient_checkpointing(config, plan)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
+    saved = saved_checkpoint(paths) if paths is not None else None  # listed and read once
     if paths is not None:  # recorded in each checkpoint: a resume on another base is refused
-        result.settings[IDENTITY] = run_identity(config, plan)
-        result.warnings += check_resume_base(config, paths, result.settings[IDENTITY])
+        result.settings[IDENTITY] = identity = run_identity(config, plan)
+        if saved is not None:
+            step, url, settings = saved
+            result.warnings += check_resume_identity(
+                settings, identity, step=step, checkpoint_url=url
+            )
     data = index_data_set(config)
     try:
         check_cache(config, plan, data, result)
@@ -387,7 +396,9 @@ def preflight(
     result.warnings += precision_warnings(config)
     if paths is not None:
         check_outputs(config, paths)
-        check_resume(config, paths, result)
+    if saved is not None:  # a resume continues exactly, or says what changed
+        step, url, settings = saved
+        result.warnings += compare(settings, result.settings, step=step, checkpoint_url=url)
     return result
 
 

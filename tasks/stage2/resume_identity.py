@@ -18,8 +18,6 @@ from typing import Any
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state
-from splitstage.tasks.stage2.outputs import output_storage_options
 from splitstage.tasks.stage2.resume import ResumeConfigError
 
 IDENTITY = "base"  # the key of the identity in the recorded run settings
@@ -101,21 +99,6 @@ def check_resume_identity(
             f"the weights it was trained on, {fresh}"
         )
     return []
-
-
-def check_resume_base(
-    config: SplitstageConfig, paths: Mapping[str, str], identity: Mapping[str, Any]
-) -> list[str]:
-    """Before launch: the run's latest checkpoint, if any, was trained on `identity`."""
-    url = paths.get("checkpoint_url")
-    if not url:  # no run folder named (a check of the config alone)
-        return []
-    options = output_storage_options(config, url)
-    step = latest_checkpoint(url, storage_options=options, clean=False)
-    if step is None:
-        return []
-    saved = read_extra_state(url, step, storage_options=options).get("settings")
-    return check_resume_identity(saved, identity, step=step, checkpoint_url=url)
 
 
 def export_metadata(identity: Mapping[str, Any] | None) -> dict[str, str]:

@@ -18,9 +18,14 @@ from splitstage.tasks.stage2.checkpoint import (
     save_checkpoint,
 )
 from splitstage.tasks.stage2.launch import write_spec
-from splitstage.tasks.stage2.outputs import open_output, output_storage_options, run_paths
+from splitstage.tasks.stage2.outputs import (
+    open_output,
+    options_for,
+    output_storage_options,
+    run_paths,
+)
 from splitstage.tasks.stage2.preflight import probe_writable
-from tests.integration.test_data_s3 import _config
+from tests.helpers.data_s3_job import data_s3_config
 
 pytestmark = pytest.mark.slow
 BLOCK = "aws-credentials/splitstage-outputs"
@@ -47,7 +52,7 @@ def block_job(s3_auth, s3_endpoint, demo_weights, tmp_path, monkeypatch, prefect
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", nobody["secret"])
     forget_blocks()
     s3fs.S3FileSystem.clear_instance_cache()
-    config = _config(tmp_path, demo_weights, url, None, credentials_block=BLOCK)
+    config = data_s3_config(tmp_path, demo_weights, url, None, credentials_block=BLOCK)
     config["cache"]["credentials_block"] = BLOCK
     config["output"] = {"url": f"{url}/output"}
     monkeypatch.chdir(tmp_path)
@@ -67,7 +72,7 @@ def test_checkpoints_and_outputs_use_the_cache_block(block_job, tmp_path, caplog
         ("output_url", "output.url"),
         ("checkpoint_url", "train.checkpoint_url"),
     ):
-        probe_writable(config, paths[key], field_name)  # what `train` runs before launch
+        probe_writable(paths[key], field_name, options_for(paths, key))  # as `train` does
 
     spec = json.loads(write_spec(config, "run1", None, tmp_path / "run1", paths).read_text())
     options = spec["checkpoint_storage_options"]  # what every rank reads from the spec
@@ -103,7 +108,7 @@ def test_without_the_block_the_probe_refuses_and_names_the_field(block_job, s3_e
     url = run_paths(config, "run1", tmp_path / "runs")["output_url"]
     assert output_storage_options(config, url) == {"endpoint_url": s3_endpoint}
     with pytest.raises(ConfigError) as error:
-        probe_writable(config, url, "output.url")
+        probe_writable(url, "output.url", output_storage_options(config, url))
     message = str(error.value)
     assert message.startswith("output.url: ") and "\n" not in message, message
     assert "permission" in message  # refused for its credentials, the endpoint answered

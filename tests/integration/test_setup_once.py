@@ -8,6 +8,7 @@ import pytest
 from splitstage.splitter import UserError
 from splitstage.tasks import job_plan
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage2 import outputs
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.trainer import check_same_split
@@ -35,8 +36,16 @@ def test_preflight_builds_each_meta_model_once_and_opens_the_cache_once(workspac
     monkeypatch.setattr(
         job_plan, "open_cache", lambda *a, **k: opened.append(1) or open_cache(*a, **k)
     )
-    checks = preflight(config, plan, run_paths(config, "once", workspace / "runs"))
+    resolved = []
+    options = outputs.output_storage_options
+    monkeypatch.setattr(
+        outputs, "output_storage_options", lambda *a: resolved.append(a[1]) or options(*a)
+    )
+    paths = run_paths(config, "once", workspace / "runs")
+    checks = preflight(config, plan, paths)
     assert checks.sample_count == 16
+    # the output and checkpoint options, resolved once each (run_paths), then passed down
+    assert resolved == [paths["output_url"], paths["checkpoint_url"]]
     assert builds == [("dit", True)]  # the weights check and the LoRA-target check share it
     assert len(opened) == 1  # the cache check and the batch plan read one store
 
