@@ -134,6 +134,61 @@ class TrainableConfig(Group):
         return names
 
 
+class VideoConfig(Group):
+    """`[data.video]`: which frames of a video row stage 1 decodes (all of it enters the cache key)."""
+
+    num_frames: int = Field(
+        81, ge=1, le=1025, description="Frames per clip; 4k+1 (1, 5, ..., 81), as Wan's VAE needs."
+    )
+    frame_stride: int | None = Field(
+        None, ge=1, le=1000, description="Take every n-th source frame (default 1 unless fps)."
+    )
+    fps: float | None = Field(
+        None, gt=0, le=240, description="Resample to this frame rate by timestamps instead."
+    )
+    start: Literal["first", "uniform"] = Field(
+        "first",
+        description="'first': from the first frame, at the stride or fps; 'uniform': num_frames "
+        "spread evenly over the whole video.",
+    )
+    short_clips: Literal["refuse", "repeat_last"] = Field(
+        "refuse",
+        description="A video with fewer frames than a clip needs: refuse the row by name, or "
+        "pad the clip with its last frame.",
+    )
+
+    @field_validator("num_frames")
+    @classmethod
+    def _four_k_plus_one(cls, value: int) -> int:
+        if (value - 1) % 4:
+            low, high = value - (value - 1) % 4, value + 4 - (value - 1) % 4
+            raise ValueError(
+                f"num_frames = {value}: video VAEs (Wan) encode 4k+1 frames; use {low} or {high}"
+            )
+        return value
+
+    @field_validator("start", mode="before")
+    @classmethod
+    def _no_random_start(cls, value: Any) -> Any:
+        if value == "random":
+            raise ValueError(
+                "start = 'random' draws a new clip every epoch: per-step work that a stage-1 "
+                "cache cannot hold; use 'first' or 'uniform'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _stride_or_fps(self) -> VideoConfig:
+        if self.fps is not None and self.frame_stride is not None:
+            raise ValueError("set data.video.fps or data.video.frame_stride, not both")
+        if self.start == "uniform" and (self.fps is not None or self.frame_stride is not None):
+            raise ValueError(
+                "start = 'uniform' spreads the frames over the whole video; remove fps and "
+                "frame_stride, or use start = 'first'"
+            )
+        return self
+
+
 class DataConfig(Group):
     """A data set in DiffSynth-Studio's format: base folder or URL plus metadata (csv, jsonl,
     parquet); credentials come from the environment or a Prefect block, as the cache's."""
@@ -154,6 +209,9 @@ class DataConfig(Group):
     skip_bad_rows: bool = Field(False, description="Skip and count bad rows instead of failing.")
     limit: int | None = Field(None, ge=1, description="Use only the first N rows.")
     buckets: BucketConfig = Field(default_factory=BucketConfig, description="Aspect buckets.")
+    video: VideoConfig = Field(
+        default_factory=VideoConfig, description="Frame sampling of video rows."
+    )
 
     _options = field_validator("storage_options")(_storage_options)
     _block = field_validator("credentials_block")(_credentials_block)

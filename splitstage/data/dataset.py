@@ -41,6 +41,7 @@ from splitstage.data.images import (
 )
 from splitstage.data.metadata_files import REQUIRED_COLUMNS, json_kind  # noqa: F401
 from splitstage.data.source import DataSource, Listing, relative_key, source_for
+from splitstage.data.videos import FIRST_FRAME, is_video, read_clip
 
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SAMPLE_KEY_VERSION = "splitstage-sample-v1"
@@ -140,6 +141,8 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: s
         raise DataError(
             f"{name} row {line}: more cells than header columns; quote cells that hold commas"
         )
+    if "video" in record and "image" not in record:  # DiffSynth's video rows: the file is a clip
+        record = {("image" if k == "video" else k): v for k, v in record.items()}
     jsonl = name.lower().endswith(".jsonl")
     if jsonl:
         metadata_files.check_columns(list(record), name, f"row {line}")
@@ -239,7 +242,9 @@ def scan_records(
             absent.append(rel)
             continue
         try:
-            if check_images:
+            if check_images and is_video(row.image):
+                read_clip(row, source, FIRST_FRAME)  # opens, seeks and decodes: a first check
+            elif check_images:
                 decode_image(read_image_bytes(row, source), row, source)
         except DataError as exc:
             if not skip_bad_rows:
