@@ -135,7 +135,7 @@ class TrainableConfig(Group):
 
 
 class VideoConfig(Group):
-    """`[data.video]`: which frames of a video row stage 1 decodes (all of it enters the cache key)."""
+    """`[data.video]`: which frames of a video row stage 1 decodes (each a cache-key setting)."""
 
     num_frames: int = Field(
         81, ge=1, le=1025, description="Frames per clip; 4k+1 (1, 5, ..., 81), as Wan's VAE needs."

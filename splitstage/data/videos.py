@@ -37,6 +37,7 @@ from splitstage.data.source import DataSource, relative_key, source_for
 
 VIDEO_DECODE_VERSION = "splitstage-video-v1"  # bump when the frames a file decodes to change
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
+READ_BLOCK = 1 << 21  # object stores: bytes fetched per read-ahead (a seek costs about one)
 SEEK_GAP_SECONDS = 2.0  # targets further apart are reached by seeking, not by decoding through
 MAX_EXTRA_DECODED = 10_000  # decoded-and-dropped frames one clip may cost (sparse keyframes)
 REENCODE = (
@@ -119,7 +120,7 @@ def open_video(rel: str, source: DataSource, where: str) -> Iterator[Any]:
         return
     shown = source.display(relative_key(rel))
     try:
-        handle = source.fs.open(source.path(relative_key(rel)), "rb")
+        handle = source.fs.open(source.path(relative_key(rel)), "rb", block_size=READ_BLOCK)
     except FileNotFoundError:
         raise _refuse(where, shown, "not found; fix the path or remove the row") from None
     except Exception as exc:

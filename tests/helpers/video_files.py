@@ -39,8 +39,12 @@ def write_video(
     gop: int | None = None,
     rotation: int | None = None,
     codec: str = "libx264",
+    times: list[float] | None = None,
 ) -> Path:
-    """Write `frames` index frames at `rate` fps (keyframe every `gop`; display rotation)."""
+    """Write `frames` index frames at `rate` fps (keyframe every `gop`; display rotation), or
+    at the given `times` in seconds (a variable frame rate)."""
+    from fractions import Fraction
+
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,8 +57,12 @@ def write_video(
             stream.codec_context.gop_size = gop
         if rotation is not None:
             stream.set_display_rotation(rotation)
+        if times is not None:
+            stream.codec_context.time_base = stream.time_base = Fraction(1, 1000)
         for index in range(frames):
             frame = av.VideoFrame.from_ndarray(frame_pixels(index), format="rgb24")
+            if times is not None:
+                frame.pts, frame.time_base = round(times[index] * 1000), Fraction(1, 1000)
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():

@@ -57,6 +57,12 @@ def test_fps_resamples_by_timestamp(clips):
     assert indices(decode(clips / "short.mp4", num_frames=5, fps=20)) == [0, 0, 1, 1, 2]
 
 
+def test_variable_frame_rate_is_sampled_by_time(tmp_path):
+    times = [0, 0.1, 0.15, 0.4, 0.5, 0.55, 0.9, 1.0, 1.2, 1.3]
+    path = write_video(tmp_path / "vfr.mkv", len(times), times=times)
+    assert indices(decode(path, num_frames=5, fps=5)) == [0, 2, 3, 5, 5]  # shown at 0, .2, ...
+
+
 def test_uniform_spreads_over_the_whole_video(clips):
     assert indices(decode(clips / "short.mp4", num_frames=5, start="uniform")) == [0, 5, 10, 14, 19]
 
