@@ -37,7 +37,7 @@ from splitstage.data.source import DataSource, relative_key, source_for
 
 VIDEO_DECODE_VERSION = "splitstage-video-v1"  # bump when the frames a file decodes to change
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
-READ_BLOCK = 1 << 21  # object stores: bytes fetched per read-ahead (a seek costs about one)
+READ_BLOCK = 1 << 20  # object stores: bytes fetched per read-ahead (a seek costs about one)
 SEEK_GAP_SECONDS = 2.0  # targets further apart are reached by seeking, not by decoding through
 MAX_EXTRA_DECODED = 10_000  # decoded-and-dropped frames one clip may cost (sparse keyframes)
 REENCODE = (
@@ -303,3 +303,25 @@ def load_clip(
 ) -> torch.Tensor:
     """A video row as [frames, 3, H, W] in [-1, 1]: what a video family's sample loading calls."""
     return clip_to_tensor(read_clip(row, base_path, settings).frames, size)
+
+
+def load_video_sample(
+    row: Any,
+    base_path: str | Path | DataSource,
+    settings: FrameSettings | None = None,
+    size: int | tuple[int, int] | SizeRule = 64,
+) -> dict[str, Any]:
+    """One video sample as `load_sample` gives an image one: the row's extra fields, then video
+    [frames, 3, H, W] in [-1, 1], prompt, height, width, num_frames and source_size [h, w]."""
+    clip = read_clip(row, base_path, settings)
+    video = clip_to_tensor(clip.frames, size)
+    first = clip.frames[0]
+    return {
+        **row.extras,
+        "video": video,
+        "prompt": row.prompt,
+        "height": int(video.shape[2]),
+        "width": int(video.shape[3]),
+        "num_frames": int(video.shape[0]),
+        "source_size": [first.height, first.width],
+    }

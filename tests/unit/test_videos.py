@@ -21,6 +21,7 @@ from splitstage.data.videos import (  # noqa: E402
     decode_clip,
     is_video,
     load_clip,
+    load_video_sample,
     read_clip,
     video_key_settings,
 )
@@ -130,6 +131,23 @@ def test_load_clip_is_frames_cropped_as_images(clips):
     frames = read_clip(row, clips, FrameChoice(num_frames=5)).frames
     each = torch.stack([image_to_tensor(center_crop_resize(f, 32, 40)) for f in frames])
     assert torch.equal(tensor, each)
+
+
+def test_a_video_sample_is_shaped_as_an_image_sample(clips):
+    row = Row(line=2, image="phone.mp4", prompt="squares", extras={"seed": 3})
+    sample = load_video_sample(row, clips, FrameChoice(num_frames=5), size=(16, 24))
+    assert sample["video"].shape == (5, 3, 16, 24) and sample["prompt"] == "squares"
+    assert (sample["height"], sample["width"], sample["num_frames"]) == (16, 24, 5)
+    assert sample["source_size"] == [64, 48] and sample["seed"] == 3  # upright: portrait
+
+
+def test_corruption_inside_the_frames_a_clip_needs(clips, tmp_path):
+    data = bytearray((clips / "short.mp4").read_bytes())
+    middle = len(data) // 3
+    data[middle : middle + 200] = np.random.default_rng(0).integers(0, 255, 200, np.uint8).tobytes()
+    (tmp_path / "hurt.mp4").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"^metadata.csv row 2: video file .* is corrupt or not"):
+        decode(tmp_path / "hurt.mp4", num_frames=17)
 
 
 def test_video_rows_in_metadata(clips, tmp_path):
