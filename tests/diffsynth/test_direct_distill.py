@@ -28,8 +28,8 @@ from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tiny_diffsynth import write_tiny_models
-from tests.diffsynth.test_diffsynth_family import ENV, fresh, job_document, output
 from tests.helpers.demo_job import demo_sections
+from tests.helpers.diffsynth_jobs import ENV, fresh, job_document, output
 
 NAME = "QwenImagePipeline"
 STEPS = 2  # the student's few-step loop

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.stage1.pipeline import Stage1Pipeline
 from tests.helpers.cache_samples import key_of, make_samples
+from tests.helpers.cache_writer import pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,21 +39,6 @@ def test_a_prepared_shard_is_invisible_until_write_shard_commits_it(s3_bucket):
     assert report.ok and report.orphans == [] and again.stats().shards == 1
     with pytest.raises(ValueError, match="prepared for another cache"):
         CacheStore(url, "other", options).write_shard(store.prepare_shard(make_samples([3])))
-
-
-def pipeline(store: CacheStore, write, shards: int, per_shard: int = 2):
-    """Stage 1's writer path with stand-in decode and V2, and its rows: `shards` shards of
-    `per_shard` samples (shard s holds samples per_shard * s, ...)."""
-    return Stage1Pipeline(
-        load=lambda i: make_samples([i])[key_of(i)],
-        compute=lambda samples: samples,
-        prepare=store.prepare_shard,
-        write=write,
-        discard=lambda prepared: prepared.discard(),
-        batch_size=per_shard,
-        shard_samples=per_shard,
-        decode_threads=1,
-    ), [(i, key_of(i)) for i in range(shards * per_shard)]
 
 
 def test_uploads_overlap_but_each_entry_follows_its_shard_and_commits_keep_their_order(s3_bucket):
@@ -114,7 +99,7 @@ KILLED_WRITER = textwrap.dedent(
     from splitstage.tasks.cache.store import CacheStore
     from splitstage.tasks.stage1.preprocess import _write
     from splitstage.tasks.stage1.preprocess_report import ShardReport
-    from tests.integration.test_cache_writer import pipeline
+    from tests.helpers.cache_writer import pipeline
 
     url, endpoint = sys.argv[1:3]
     store = CacheStore(url, "ck", {"client_kwargs": {"endpoint_url": endpoint}})

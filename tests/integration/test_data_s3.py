@@ -18,6 +18,7 @@ from splitstage.config.job import config_from_dict
 from splitstage.data.dataset import sample_key
 from splitstage.data.hash_memo import FOLDER
 from splitstage.data.index import index_data_set
+from tests.helpers.data_s3_job import data_s3_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,23 +36,6 @@ def upload(fs, root: str, images: dict[str, bytes], prompts: dict[str, str]) -> 
     files = {f"{root}/{name}": data for name, data in images.items()}
     files[f"{root}/metadata.csv"] = ("\n".join(lines) + "\n").encode()
     fs.pipe(files)
-
-
-def _config(root: Path, weights: dict, url: str, endpoint: str | None, **data) -> dict:
-    endpoint_options = {"endpoint_url": endpoint} if endpoint else {}
-    return {
-        "job": {"name": "data-s3"},
-        "models": {
-            "text_encoder": {"builder": "tiny"},
-            "vae": {"weights": str(weights["vae"])},
-            "dit": {"weights": str(weights["dit"])},
-        },
-        "trainable": {"full": ["dit"]},
-        "data": {"base_path": f"{url}/data", "storage_options": endpoint_options, **data},
-        "cache": {"url": f"{url}/cache", "shard_samples": 4, "storage_options": endpoint_options},
-        "preprocess": {"batch_size": 8, "device": "cpu"},
-        "output": {"url": str(root / "output")},
-    }
 
 
 def _toml(config: dict) -> str:
@@ -113,7 +97,7 @@ def test_two_workers_without_shared_disk_and_a_rerun_after_changes(
     images = {f"img/{i:02d}.png": _png(i) for i in range(10)}
     prompts = {name: f"digit {i}" for i, name in enumerate(sorted(images))}
     upload(fs, "bucket/prefix/data", images, prompts)
-    config = _config(tmp_path, demo_weights, url, s3_endpoint)
+    config = data_s3_config(tmp_path, demo_weights, url, s3_endpoint)
     config_file = tmp_path / "job.toml"
     config_file.write_text(_toml(config))
     parsed = config_from_dict(config)
@@ -194,7 +178,7 @@ def test_credentials_from_a_prefect_block_read_data_and_write_cache(
     forget_blocks()
     s3fs.S3FileSystem.clear_instance_cache()
     block = "aws-credentials/splitstage-test"
-    config = _config(tmp_path, demo_weights, url, None, credentials_block=block)
+    config = data_s3_config(tmp_path, demo_weights, url, None, credentials_block=block)
     config["cache"]["credentials_block"] = block
     parsed = config_from_dict(config)
     monkeypatch.chdir(tmp_path)
@@ -222,7 +206,9 @@ def test_folders_listed_one_by_one_see_every_row_and_a_missing_file_appearing(
     prompts = {name: f"digit {i}" for i, name in enumerate(sorted(images))}
     prompts["late/x.png"] = "not there yet"
     upload(fs, "bucket/prefix/data", images, prompts)
-    parsed = config_from_dict(_config(tmp_path, demo_weights, url, s3_endpoint, skip_bad_rows=True))
+    parsed = config_from_dict(
+        data_s3_config(tmp_path, demo_weights, url, s3_endpoint, skip_bad_rows=True)
+    )
     first = index_data_set(parsed)
     assert len(first.keys) == 60 and len(first.skipped) == 1
     assert index_data_set(parsed).from_memo

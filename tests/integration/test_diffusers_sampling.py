@@ -8,28 +8,13 @@ import shutil
 import pytest
 import torch
 
-from splitstage.config.job import config_from_dict
 from splitstage.pipelines.diffusers.packing import pack
 from splitstage.pipelines.runtime import StepContext
-from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.diffusers_families import FAMILY, PIPELINE, family_plan
 
 pytestmark = pytest.mark.slow
-FAMILY = {
-    "sd": "sd",
-    "sd2": "sd",
-    "sdxl": "sdxl",
-    "sd3": "sd3",
-    "sd3-dynamic-shift": "sd3",  # the scheduler shifts by token count (use_dynamic_shifting)
-    "flux": "flux",
-}
-PIPELINE = {
-    "sd": "StableDiffusionPipeline",
-    "sdxl": "StableDiffusionXLPipeline",
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-}
 PROMPTS = ["a photo of the digit 3", "a cat"]
 CPU = torch.device("cpu")
 
@@ -46,17 +31,6 @@ def folders(tmp_path_factory):
     )
     folders[shifting] = shifted
     return folders
-
-
-def family_plan(folder, kind: str):
-    family = FAMILY[kind]
-    pipeline = {"name": family, "pretrained": str(folder), "resolution": 64, "precision": "fp32"}
-    if family in ("sd3", "flux"):
-        pipeline["max_prompt_length"] = 16
-    denoiser = "unet" if family in ("sd", "sdxl") else "transformer"
-    return make_plan(
-        config_from_dict({"pipeline": pipeline, "trainable": {"lora_base_model": denoiser}})
-    )
 
 
 def ours(plan, seed: int) -> torch.Tensor:

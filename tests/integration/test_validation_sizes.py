@@ -24,7 +24,7 @@ from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.validation import Validator, check_validation_sizes, repeat_rows
 from splitstage.tiny_diffusers import write_tiny_folder
 from tests.helpers.demo_job import demo_sections
-from tests.integration.test_diffusers_sampling import PIPELINE, family_plan
+from tests.helpers.diffusers_families import PIPELINE, family_plan
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")

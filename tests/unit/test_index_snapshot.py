@@ -4,47 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import pytest
 
 import splitstage.tasks.cache.index_snapshot as snap
-from splitstage.storage.files import is_local
 from splitstage.tasks.cache.index_entry import seen_digest
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore
+from tests.helpers import snapshot_store
 from tests.helpers.cache_samples import assert_same, key_of, make_sample, make_samples
+from tests.helpers.snapshot_store import fresh, later
 
 SNAPSHOT_LOG = "splitstage.tasks.cache.index_snapshot"
-
-
-@pytest.fixture(params=["local", "memory"])
-def store(request, tmp_path) -> CacheStore:
-    """A cache of 12 samples in 4 shards of 3, with its index snapshot written."""
-    url = str(tmp_path / "cache") if request.param == "local" else f"memory://snap/{tmp_path.name}"
-    store = CacheStore(url, "ck")
-    store.write_shards([make_samples(range(i, i + 3)) for i in range(0, 12, 3)])
-    assert store.write_index_snapshot() == 4
-    return store
-
-
-@pytest.fixture
-def reads(monkeypatch) -> list[str]:
-    """The index entries every store reads from now on (their file names)."""
-    seen: list[str] = []
-    real = CacheStore._scan
-
-    def scan(self, paths):
-        seen.extend(p.rsplit("/", 1)[-1] for p in paths)
-        return real(self, paths)
-
-    monkeypatch.setattr(CacheStore, "_scan", scan)
-    return seen
-
-
-def fresh(store: CacheStore) -> CacheStore:
-    """Another store on the same cache (as a new process opens it)."""
-    return CacheStore(store.base_url, store.cache_key)
+store = snapshot_store.store  # fixture: a cache of 12 samples in 4 shards, with its snapshot
+reads = snapshot_store.reads  # fixture: the index entries read from now on
 
 
 def full_read(store: CacheStore, monkeypatch) -> tuple[list[str], dict, list[str]]:
@@ -65,13 +38,6 @@ def view(store: CacheStore) -> tuple[list[str], dict, list[str]]:
 def entry_paths(store: CacheStore) -> list[str]:
     """The index entry paths of the cache, sorted."""
     return sorted(store._list("index", ".json"))
-
-
-def later(store: CacheStore, path: str) -> None:
-    """Give a rewritten local file a later modification time (memory:// stamps a new one)."""
-    if is_local(store.fs):  # a second later: coarse file-system clocks cannot hide the rewrite
-        stat = os.stat(path)
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
 
 
 def test_a_valid_snapshot_is_used_and_no_entry_is_read(store, reads, monkeypatch, caplog):

@@ -15,6 +15,7 @@ The rooms, lowest first; a room imports only from itself and the rooms below it:
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -176,3 +177,52 @@ def test_no_bare_top_level_names_are_installed(tmp_path):
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr or run.stdout
+
+
+TESTS = ROOT / "tests"
+# torchrun worker scripts, not test modules: a test may import their model and plan.
+WORKERS = "tests.integration.workers"
+# An import line in a string: the code a test runs in a child process (`python -c`).
+SCRIPT_IMPORT = re.compile(
+    r"^\s*(?:from\s+([\w.]+)\s+import\s+([\w, ]+)|import\s+([\w., ]+))", re.M
+)
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The `test_*` modules a test file imports, its child scripts' imports included."""
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    targets: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = f"{name.rsplit('.', node.level)[0]}.{base}".rstrip(".")
+            # `from tests.unit import test_x` names the module in the alias.
+            targets += [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for base, names, modules in SCRIPT_IMPORT.findall(node.value):
+                if base:
+                    targets += [base] + [f"{base}.{n.strip()}" for n in names.split(",")]
+                else:
+                    targets += [m.strip() for m in modules.split(",")]
+    found = set()
+    for target in targets:
+        parts = target.split(".")
+        hit = next((i for i, part in enumerate(parts) if part.startswith("test_")), None)
+        if hit is not None and not target.startswith(WORKERS + "."):
+            found.add(".".join(parts[: hit + 1]))
+    return found
+
+
+def test_no_test_module_imports_another():
+    """A test module imports no `test_*` module (itself included), nor does a script it runs:
+    shared code lives in tests/helpers/ or conftest.py fixtures. tests/integration/workers/ holds
+    torchrun worker scripts, not test modules: importing them is allowed."""
+    wrong = [
+        f"{'.'.join(path.relative_to(ROOT).with_suffix('').parts)} imports {module}"
+        for path in sorted(TESTS.rglob("test_*.py"))
+        for module in sorted(imported_test_modules(path))
+    ]
+    assert not wrong, "move shared code to tests/helpers/: " + "; ".join(wrong)

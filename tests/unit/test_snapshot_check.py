@@ -10,12 +10,12 @@ import pytest
 import splitstage.tasks.cache.repair as repair
 from splitstage.storage.files import is_local
 from splitstage.tasks.cache.store import CacheStore
+from tests.helpers import snapshot_store
 from tests.helpers.cache_samples import key_of, make_sample, make_samples
-from tests.unit import test_index_snapshot as snapshot_tests
-from tests.unit.test_index_snapshot import fresh, later
+from tests.helpers.snapshot_store import fresh, later
 
-store = snapshot_tests.store  # fixture: a cache of 12 samples in 4 shards, with its snapshot
-reads = snapshot_tests.reads  # fixture: the index entries read from now on
+store = snapshot_store.store  # fixture: a cache of 12 samples in 4 shards, with its snapshot
+reads = snapshot_store.reads  # fixture: the index entries read from now on
 
 
 def _shard_path(store: CacheStore, key: str) -> str:
