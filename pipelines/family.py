@@ -22,6 +22,7 @@ from torch import nn
 from splitstage.config.families import config_class, import_object
 from splitstage.config.job import ConfigError, ModelConfig
 from splitstage.data.buckets import BucketError, Buckets
+from splitstage.data.source import DataSource
 from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
 from splitstage.splitter import Pipeline
 from splitstage.storage.safetensors_io import index_weight_map, is_index_path
@@ -90,8 +91,10 @@ class Family:
         return self.config.pipeline.stage1_settings()
 
     # -- data ------------------------------------------------------------------------------------
-    def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
-        """What one data row becomes: the pipeline inputs of one sample (tensors and values)."""
+    def load_sample(self, row: Row, base_path: str | Path | DataSource) -> dict[str, Any]:
+        """What one data row becomes: the pipeline inputs of one sample (tensors and values).
+        `base_path` is the data set's opened DataSource (stages 1 and 2 pass it, opened once)
+        or its folder/URL; the data room's loaders take either."""
         raise NotImplementedError
 
     def image_resolution(self) -> tuple[int, int] | None:

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from splitstage.config.job import SplitstageConfig
 from splitstage.data.dataset import DataError, Row
 from splitstage.data.index import DataIndex, Shown, index_data_set
+from splitstage.data.source import open_data_source
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
@@ -229,7 +230,8 @@ def stage1_pipeline(
     """The overlapped stage-1 pipeline of a job (`pipeline.Stage1Pipeline`): decode on threads,
     V2 in batches of one shape on the caller (under its no_grad), shards written in the
     background; counts go into `report`, undecodable rows (`row_of` names them) beside the cache."""
-    family, base, params = plan.family, config.data.base_path, plan.split.boundary_params
+    family, params = plan.family, plan.split.boundary_params
+    base = open_data_source(config.data)  # given to every load: no per-sample lookup by URL
 
     def compute(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         batch = run_units(plan.v2_units, ctx, collate_samples(samples))

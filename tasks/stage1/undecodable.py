@@ -27,7 +27,7 @@ IMAGE = "{image}"  # stands for the image's path or URL in a recorded reason
 DECODER = f"{DECODE_VERSION}+pillow-{PIL.__version__}"
 
 
-def record(store: CacheStore, key: str, row: Row | None, error: DataError, base: str) -> str:
+def record(store: CacheStore, key: str, row: Row | None, error: DataError, base: Any) -> str:
     """Keep that `key`'s image did not decode; the reason, with its row and image path left
     out (`IMAGE`): the same bytes may sit on another row or path later."""
     reason = str(error)

@@ -14,6 +14,7 @@ import numpy as np
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.data.index import index_data_set
+from splitstage.data.source import open_data_source
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import collate_samples
 from splitstage.tasks.cache.batch_plan import EpochPlan, Position, group_members, plan_epoch
@@ -148,6 +149,7 @@ class RawBatches(PlannedBatches):
     def __init__(self, config: SplitstageConfig, family: Family, rank: int, world_size: int):
         super().__init__(config, rank, world_size)
         self.family = family
+        self.data_source = open_data_source(config.data)  # given to every load (no URL lookup)
         data = index_data_set(config)
         self.rows = dict(zip(data.keys, data.rows))
         self.keys = sorted(self.rows)
@@ -155,7 +157,7 @@ class RawBatches(PlannedBatches):
 
     def _shape_groups(self) -> np.ndarray:
         """Group of each key by the decoded sample's image size (as the cache groups by shape)."""
-        base, sizes, out = self.config.data.base_path, {}, []
+        base, sizes, out = self.data_source, {}, []
         for key in self.keys:
             sample = self.family.load_sample(self.rows[key], base)
             out.append(sizes.setdefault((sample["height"], sample["width"]), len(sizes)))
@@ -168,6 +170,6 @@ class RawBatches(PlannedBatches):
     def iterate(self, epoch: int, position: Position | None = 0) -> Iterator[Keyed]:
         """This rank's (sample keys, batch) pairs of `epoch` after `position`, in the cache's
         order."""
-        base = self.config.data.base_path
+        base = self.data_source
         for keys in self.rank_keys(epoch, position):
             yield keys, collate_samples([self.family.load_sample(self.rows[k], base) for k in keys])
