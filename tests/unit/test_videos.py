@@ -76,6 +76,13 @@ def test_a_long_video_decodes_only_what_it_needs(clips):
     assert indices(near) == list(range(0, 18, 2)) and near.decoded <= 18
 
 
+def test_hours_long_video_costs_a_few_keyframe_intervals(tmp_path):
+    path = write_video(tmp_path / "hours.mkv", 3 * 3600, rate=1, gop=30)  # 3 hours at 1 fps
+    clip = decode(path, num_frames=5, start="uniform")
+    assert indices(clip) == [i % 512 for i in (0, 2700, 5400, 8099, 10799)]
+    assert clip.decoded <= 5 * 30
+
+
 def test_rotation_is_applied(clips):
     clip = decode(clips / "phone.mp4", num_frames=1)
     upright = np.asarray(clip.frames[0])
@@ -83,6 +90,30 @@ def test_rotation_is_applied(clips):
     stored = frame_pixels(0)
     assert np.abs(upright.astype(int) - np.rot90(stored, 1)).mean() < 2  # counterclockwise
     assert np.abs(upright.astype(int) - np.rot90(stored, -1)).mean() > 20
+
+
+@pytest.mark.parametrize("rotation", [-90, 180])
+def test_other_rotations(tmp_path, rotation):
+    path = write_video(tmp_path / "turned.mp4", 3, rotation=rotation)
+    upright = np.asarray(decode(path, num_frames=1).frames[0]).astype(int)
+    assert np.abs(upright - np.rot90(frame_pixels(0), rotation // 90)).mean() < 2
+
+
+def test_a_file_without_a_video_stream(tmp_path):
+    import av
+
+    with av.open(str(tmp_path / "sound.mkv"), "w") as container:
+        stream = container.add_stream("mp2", rate=44100)
+        frame = av.AudioFrame.from_ndarray(
+            np.zeros((1, 1152), np.int16), format="s16", layout="mono"
+        )
+        frame.sample_rate = 44100
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    with pytest.raises(
+        DataError, match=r"^metadata.csv row 2: video file .*sound.mkv has no video"
+    ):
+        decode(tmp_path / "sound.mkv", num_frames=1)
 
 
 def test_short_clips_refused_by_row_or_padded(clips):
