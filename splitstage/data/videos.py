@@ -126,7 +126,37 @@ def open_video(rel: str, source: DataSource, where: str) -> Iterator[Any]:
     except Exception as exc:
         raise source.failure(f"read video file ({where})", shown, exc) from None
     with handle:
-        yield handle
+        yield _StoredFile(
+            handle, lambda exc: source.failure(f"read video file ({where})", shown, exc)
+        )
+
+
+class _StoredFile:
+    """A remote file for PyAV that keeps the storage error a read raised (PyAV would report it
+    as bad data), so the row's message names the storage problem, not the video."""
+
+    def __init__(self, handle: Any, failure: Callable[[BaseException], Exception]) -> None:
+        self._handle, self._failure = handle, failure
+        self.error: Exception | None = None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._handle, method)(*args)
+        except Exception as exc:
+            self.error = self._failure(exc)
+            raise
+
+    def read(self, size: int = -1) -> bytes:
+        """Bytes from the object (a ranged GET per block)."""
+        return self._call("read", size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move within the object (no request until the next read)."""
+        return self._call("seek", offset, whence)
+
+    def tell(self) -> int:
+        """The current offset."""
+        return self._handle.tell()
 
 
 def _targets(stream: Any, container: Any, settings: FrameSettings, where: str, shown: str):
@@ -180,6 +210,8 @@ def decode_clip(file: Any, where: str, shown: str, settings: FrameSettings) -> C
     except EOFError as exc:  # av.error.EOFError too: the stream ends before any frame
         raise _refuse(where, shown, NO_FRAMES) from exc
     except (av.FFmpegError, ValueError, OSError) as exc:
+        if (stored := getattr(file, "error", None)) is not None:  # storage, not the video
+            raise stored from exc
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).strip()
         raise _refuse(where, shown, f"is corrupt or not a video ({reason}); {REENCODE}") from exc
 

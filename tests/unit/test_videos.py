@@ -22,6 +22,7 @@ from splitstage.data.videos import (  # noqa: E402
     is_video,
     load_clip,
     load_video_sample,
+    open_video,
     read_clip,
     video_key_settings,
 )
@@ -230,3 +231,15 @@ def test_video_rows_on_s3(clips, s3_bucket):
     assert torch.equal(load_clip(row, source, settings), here)
     with pytest.raises(DataError, match=r"^metadata row 3: video file s3://.*/missing.mp4 not"):
         read_clip(Row(line=3, image="missing.mp4", prompt="x"), source)
+
+
+def test_a_storage_failure_while_decoding_names_storage(clips, s3_bucket):
+    url, options = s3_bucket
+    source = DataSource(url, options)
+    source.fs.put(str(clips / "short.mp4"), source.path("short.mp4"))
+    with open_video("short.mp4", source, "metadata.csv row 4") as file:
+        source.fs.rm(source.path("short.mp4"))  # gone between the open and the reads
+        with pytest.raises(DataError) as caught:
+            decode_clip(file, "metadata.csv row 4", "shown", FrameChoice(num_frames=5))
+    message = str(caught.value)
+    assert "\n" not in message and "short.mp4" in message and "corrupt" not in message, message
