@@ -188,6 +188,16 @@ def _targets(stream: Any, container: Any, settings: FrameSettings, where: str, s
     return [start + i * step for i in range(count)], start, fps, header_frames
 
 
+def _groups(times: list[float]) -> list[tuple[int, int]]:
+    """[first, last) target ranges close enough to decode through; each other one is a seek."""
+    groups, first = [], 0
+    for index in range(1, len(times) + 1):
+        if index == len(times) or times[index] - times[index - 1] > SEEK_GAP_SECONDS:
+            groups.append((first, index))
+            first = index
+    return groups
+
+
 def _upright(frame: Any, rotation: int) -> Image.Image:
     """A decoded frame as an upright RGB image (rotated counterclockwise by `rotation`)."""
     if rotation % 360 == 0:
@@ -230,12 +240,9 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
     tol = 0.25 / fps
     picked: list[Image.Image | None] = [None] * len(times)
     decoded, rotation = 0, None
-    span = max(1, round((times[-1] - times[0]) * fps)) + len(times)
-    first = 0
-    while first < len(times):
-        last = first + 1  # one group: targets close enough to decode through
-        while last < len(times) and times[last] - times[last - 1] <= SEEK_GAP_SECONDS:
-            last += 1
+    groups = _groups(times)
+    span = sum(round((times[last - 1] - times[first]) * fps) + 1 for first, last in groups)
+    for first, last in groups:
         if times[first] > start + tol:
             container.seek(int(times[first] / stream.time_base), stream=stream, backward=True)
         j, prev, prev_time, prev_image = first, None, None, None
@@ -278,7 +285,6 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
                 j += 1
             if j < last:
                 break
-        first = last
     frames = [image for image in picked if image is not None]
     frames = frames[: next((i for i, im in enumerate(picked) if im is None), len(picked))]
     if not frames:

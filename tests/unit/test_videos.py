@@ -84,6 +84,16 @@ def test_hours_long_video_costs_a_few_keyframe_intervals(tmp_path):
     assert clip.decoded <= 5 * 30
 
 
+def test_keyframes_too_sparse_to_seek_are_refused(tmp_path, monkeypatch):
+    from splitstage.data import videos
+
+    path = write_video(tmp_path / "one_key.mp4", 300, gop=300)  # one keyframe in 30 s
+    monkeypatch.setattr(videos, "MAX_EXTRA_DECODED", 50)  # 10,000 in use: a smaller file here
+    with pytest.raises(DataError, match=r"^metadata.csv row 2: .*\(keyframes too sparse to seek\)"):
+        decode(path, num_frames=5, start="uniform")
+    assert indices(decode(path, num_frames=5)) == [0, 1, 2, 3, 4]  # consecutive: no extra
+
+
 def test_rotation_is_applied(clips):
     clip = decode(clips / "phone.mp4", num_frames=1)
     upright = np.asarray(clip.frames[0])
