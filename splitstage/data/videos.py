@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +37,7 @@ from splitstage.data.source import DataSource, relative_key, source_for
 
 VIDEO_DECODE_VERSION = "splitstage-video-v1"  # bump when the frames a file decodes to change
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
-READ_BLOCK = 1 << 20  # object stores: bytes fetched per read-ahead (a seek costs about one)
+READ_BLOCK = 1 << 20  # object stores: bytes a block fetches (an LRU of blocks: none read twice)
 SEEK_GAP_SECONDS = 2.0  # targets further apart are reached by seeking, not by decoding through
 MAX_EXTRA_DECODED = 10_000  # decoded-and-dropped frames one clip may cost (sparse keyframes)
 REENCODE = (
@@ -80,6 +80,7 @@ class Clip:
     fps: float  # the stream's average frame rate
     rotation: int  # display rotation applied, degrees counterclockwise
     padded: int = 0  # frames repeated at the end (short_clips = "repeat_last")
+    fetched: int | None = None  # bytes read from an object store (None: a local file)
 
 
 def is_video(path: str) -> bool:
@@ -120,7 +121,9 @@ def open_video(rel: str, source: DataSource, where: str) -> Iterator[Any]:
         return
     shown = source.display(relative_key(rel))
     try:
-        handle = source.fs.open(source.path(relative_key(rel)), "rb", block_size=READ_BLOCK)
+        handle = source.fs.open(
+            source.path(relative_key(rel)), "rb", block_size=READ_BLOCK, cache_type="blockcache"
+        )
     except FileNotFoundError:
         raise _refuse(where, shown, "not found; fix the path or remove the row") from None
     except Exception as exc:
@@ -157,6 +160,13 @@ class _StoredFile:
     def tell(self) -> int:
         """The current offset."""
         return self._handle.tell()
+
+    @property
+    def fetched(self) -> int | None:
+        """Bytes fetched from the store so far, in whole blocks (fsspec's block cache counts
+        them; a file's short last block counts whole, so the sum is capped at the file size)."""
+        asked = getattr(getattr(self._handle, "cache", None), "total_requested_bytes", None)
+        return None if asked is None else min(asked, getattr(self._handle, "size", asked))
 
 
 def _targets(stream: Any, container: Any, settings: FrameSettings, where: str, shown: str):
@@ -214,7 +224,8 @@ def decode_clip(file: Any, where: str, shown: str, settings: FrameSettings) -> C
             streams = container.streams.video
             if not streams:
                 raise _refuse(where, shown, f"has no video stream; {REENCODE}")
-            return _decode(container, streams[0], where, shown, settings)
+            clip = _decode(container, streams[0], where, shown, settings)
+            return replace(clip, fetched=getattr(file, "fetched", None))
     except DataError:
         raise
     except EOFError as exc:  # av.error.EOFError too: the stream ends before any frame

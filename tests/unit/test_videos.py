@@ -236,6 +236,7 @@ def test_video_rows_on_s3(clips, s3_bucket):
     row = Row(line=3, image="clips/long.mp4", prompt="squares")
     clip = read_clip(row, source, FrameChoice(num_frames=5, start="uniform"))
     assert indices(clip) == [0, 125, 250, 374, 499]
+    assert 0 < clip.fetched <= source.fs.size(source.path("clips/long.mp4"))  # one 1 MiB block
     settings = FrameChoice(num_frames=5, frame_stride=7)
     here = load_clip(Row(line=3, image="long.mp4", prompt="squares"), clips, settings)
     assert torch.equal(load_clip(row, source, settings), here)
