@@ -213,6 +213,23 @@ def test_video_rows_in_metadata(clips, tmp_path):
     assert is_video("a/B.MP4") and not is_video("a/b.png")
 
 
+def test_the_data_index_keys_video_rows_by_content(clips, tmp_path):
+    from splitstage.data.index import index_data_set
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.mp4").write_bytes((clips / "short.mp4").read_bytes())
+    (data / "b.mkv").write_bytes((clips / "seven.mkv").read_bytes())
+    lines = [{"video": "a.mp4", "prompt": "one"}, {"video": "b.mkv", "prompt": "two"}]
+    (data / "metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    config = config_from_dict({"data": {"base_path": str(data)}, "cache": {"url": str(tmp_path)}})
+    first = index_data_set(config)
+    again = index_data_set(config)  # from the index memo: rows rebuilt from columns
+    assert first.keys == again.keys and len(set(first.keys)) == 2
+    assert all(is_video(row.image) for row in again.rows)
+    assert read_clip(again.rows[1], data, FrameChoice(num_frames=5)).frames
+
+
 def test_video_settings_validate_and_enter_the_key():
     base = {"data": {"base_path": "data", "video": {"num_frames": 33, "frame_stride": 2}}}
     assert config_from_dict(base).data.video.num_frames == 33
