@@ -183,6 +183,21 @@ def test_a_video_sample_is_shaped_as_an_image_sample(clips):
     assert sample["source_size"] == [64, 48] and sample["seed"] == 3  # upright: portrait
 
 
+def test_image_rows_are_one_frame_clips(clips, tmp_path):
+    from PIL import Image
+
+    from splitstage.data.clips import load_clip_sample
+    from splitstage.data.dataset import load_sample
+
+    Image.fromarray(frame_pixels(3)).save(tmp_path / "still.png")
+    row = Row(line=5, image="still.png", prompt="a still")
+    sample = load_clip_sample(row, tmp_path, FrameChoice(num_frames=5), size=(16, 24))
+    assert sample["video"].shape == (1, 3, 16, 24) and sample["num_frames"] == 1
+    assert torch.equal(sample["video"][0], load_sample(row, tmp_path, (16, 24))["image"])
+    video = load_clip_sample(Row(line=2, image="short.mp4", prompt="x"), clips, FrameChoice(5), 16)
+    assert video["video"].shape == (5, 3, 16, 16) and video["source_size"] == [48, 64]
+
+
 def test_corruption_inside_the_frames_a_clip_needs(clips, tmp_path):
     data = bytearray((clips / "short.mp4").read_bytes())
     middle = len(data) // 3
