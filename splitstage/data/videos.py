@@ -12,7 +12,7 @@ Choices (the same for every file, so a clip depends only on the file's bytes and
   them; between targets frames are decoded and dropped, never kept. A file whose keyframes are
   so sparse that a clip needs more than MAX_EXTRA_DECODED extra decoded frames is refused.
 - the stream's display rotation (phone videos) is applied: frames come out as viewers show them.
-  Rotations that are not a multiple of 90 degrees are refused.
+  Rotations that are not a multiple of 90 degrees, and display matrices that mirror, are refused.
 - a video with fewer frames than a clip needs is refused by name (`short_clips = "refuse"`) or
   padded with its last frame (`"repeat_last"`); a file with no decodable frame is always refused.
 - the first video stream is used; audio and other streams are ignored.
@@ -208,6 +208,16 @@ def _groups(times: list[float]) -> list[tuple[int, int]]:
     return groups
 
 
+def _mirrored(frame: Any) -> bool:
+    """True when the frame's display matrix flips it (a negative determinant), e.g. a front
+    camera's mirror image: only rotations are applied."""
+    for data in frame.side_data:
+        if getattr(data.type, "name", "") == "DISPLAYMATRIX":
+            m = np.frombuffer(bytes(data)[:36], dtype=np.int32).astype(np.int64)
+            return m[0] * m[4] - m[1] * m[3] < 0
+    return False
+
+
 def _upright(frame: Any, rotation: int) -> Image.Image:
     """A decoded frame as an upright RGB image (rotated counterclockwise by `rotation`)."""
     if rotation % 360 == 0:
@@ -275,6 +285,10 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
                         shown,
                         f"has a display rotation of {rotation} degrees; "
                         f"only multiples of 90 are applied; {REENCODE}",
+                    )
+                if _mirrored(frame):
+                    raise _refuse(
+                        where, shown, f"is mirrored by its display matrix (not applied); {REENCODE}"
                     )
             now = (
                 frame.time

@@ -110,6 +110,20 @@ def test_other_rotations(tmp_path, rotation):
     assert np.abs(upright - np.rot90(frame_pixels(0), rotation // 90)).mean() < 2
 
 
+def test_a_mirrored_video_is_refused(tmp_path):
+    import av
+
+    with av.open(str(tmp_path / "selfie.mp4"), "w") as container:
+        stream = container.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.set_display_rotation(90, hflip=True)
+        frame = av.VideoFrame.from_ndarray(frame_pixels(0), format="rgb24")
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    with pytest.raises(DataError, match=r"^metadata.csv row 2: video file .* is mirrored by its"):
+        decode(tmp_path / "selfie.mp4", num_frames=1)
+
+
 def test_a_file_without_a_video_stream(tmp_path):
     import av
 
