@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("av")
 
+from splitstage.config.base_group import ConfigError  # noqa: E402
 from splitstage.config.job import VideoConfig, config_from_dict  # noqa: E402
 from splitstage.data.dataset import Row, load_metadata  # noqa: E402
 from splitstage.data.images import DataError, center_crop_resize, image_to_tensor  # noqa: E402
@@ -270,6 +271,12 @@ def test_video_settings_validate_and_enter_the_key():
     for words, settings in refusals.items():
         with pytest.raises(Exception, match=words):
             VideoConfig(**settings)
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({"data": {"video": {"num_frames": 16}}}, "job.toml")
+    assert str(caught.value) == (
+        "job.toml: data.video.num_frames: num_frames = 16: video VAEs (Wan) encode 4k+1 frames; "
+        "use 13 or 17"
+    )
     key = video_key_settings(VideoConfig(num_frames=33))
     assert key != video_key_settings(VideoConfig(num_frames=33, frame_stride=2))
     assert key["video"]["decode"].startswith("splitstage-video-")
