@@ -1,9 +1,12 @@
-"""Original-layout single files (BFL's flux1-dev.safetensors, SD 1.x / SDXL / SD3 community
-files) read through diffusers' own `from_single_file` converters, as key maps with slice rules.
+"""Original-layout single files (BFL's flux1-dev.safetensors, LDM SD 1.x / SDXL UNets, SD3)
+read through diffusers' own `from_single_file` converters, as key maps with slice rules.
 
 The converter (diffusers.loaders.single_file_model's `checkpoint_mapping_fn` for the class) runs
 once on a row-id proxy of the file's header (`key_rules.derive_rules`): no weights are read, and
-each rank later reads only its slices of the original tensors.
+each rank later reads only its slices of the original tensors. The converter gets the model's
+diffusers config, as `from_single_file(config=...)` does (the LDM UNet one numbers blocks by
+its layers_per_block); a full LDM checkpoint's other tensors (VAE, text encoder, EMA) are
+ignored, as diffusers ignores them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ LAYOUTS = {
     "SD3Transformer2DModel": ("original SD3", "sd3"),
     "UNet2DConditionModel": ("original (LDM) Stable Diffusion", "inpainting"),
 }
-READ = {"FluxTransformer2DModel"}  # tested exact; the others are refused in one line for now
+# Tested exact (pure renames / row slices); SD3 is refused in one line for now.
+READ = {"FluxTransformer2DModel", "UNet2DConditionModel"}
 FLUX_CONVERTER_WIDTH = 3072  # diffusers' FLUX converter hard-codes inner_dim = 3072
 
 

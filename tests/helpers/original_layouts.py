@@ -74,3 +74,63 @@ def flux_to_bfl(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, t
     for name, pieces in parts.items():
         out[name] = torch.cat([pieces[i] for i in sorted(pieces)])
     return {prefix + key: tensor.contiguous() for key, tensor in out.items()}
+
+
+RESNET_RENAMES = [  # diffusers -> LDM inside a resnet
+    ("norm1.", "in_layers.0."),
+    ("conv1.", "in_layers.2."),
+    ("time_emb_proj.", "emb_layers.1."),
+    ("norm2.", "out_layers.0."),
+    ("conv2.", "out_layers.3."),
+    ("conv_shortcut.", "skip_connection."),
+]
+UNET_TOP = {  # diffusers -> LDM outside the blocks
+    "conv_in.": "input_blocks.0.0.",
+    "time_embedding.linear_1.": "time_embed.0.",
+    "time_embedding.linear_2.": "time_embed.2.",
+    "add_embedding.linear_1.": "label_emb.0.0.",
+    "add_embedding.linear_2.": "label_emb.0.2.",
+    "conv_norm_out.": "out.0.",
+    "conv_out.": "out.2.",
+}
+
+
+def unet_to_ldm(
+    state: dict[str, torch.Tensor], layers_per_block: int, prefix: str = "model.diffusion_model."
+) -> dict[str, torch.Tensor]:
+    """A UNet2DConditionModel state dict in the LDM (SD 1.x / SDXL single-file) layout."""
+    per = layers_per_block + 1  # LDM numbers each resnet(+attention) and sampler as one block
+    attended = {int(k.split(".")[1]) for k in state if re.match(r"up_blocks\.\d+\.attentions", k)}
+
+    def resnet(rest: str) -> str:
+        for old, new in RESNET_RENAMES:
+            if rest.startswith(old):
+                return new + rest[len(old) :]
+        raise KeyError(f"no LDM name for resnet tensor {rest}")
+
+    def ldm(key: str) -> str:
+        for old, new in UNET_TOP.items():
+            if key.startswith(old):
+                return new + key[len(old) :]
+        if m := re.match(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key):
+            i = 1 + int(m[1]) * per + int(m[3])
+            if m[2] == "resnets":
+                return f"input_blocks.{i}.0.{resnet(m[4])}"
+            return f"input_blocks.{i}.1.{m[4]}"
+        if m := re.match(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", key):
+            return f"input_blocks.{1 + int(m[1]) * per + layers_per_block}.0.op.{m[2]}"
+        if m := re.match(r"mid_block\.resnets\.(\d+)\.(.*)", key):
+            return f"middle_block.{2 * int(m[1])}.{resnet(m[2])}"
+        if m := re.match(r"mid_block\.attentions\.0\.(.*)", key):
+            return f"middle_block.1.{m[1]}"
+        if m := re.match(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key):
+            i = int(m[1]) * per + int(m[3])
+            if m[2] == "resnets":
+                return f"output_blocks.{i}.0.{resnet(m[4])}"
+            return f"output_blocks.{i}.1.{m[4]}"
+        if m := re.match(r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)", key):
+            slot = 2 if int(m[1]) in attended else 1  # after the attention, if the block has one
+            return f"output_blocks.{int(m[1]) * per + layers_per_block}.{slot}.conv.{m[2]}"
+        raise KeyError(f"no LDM name for {key}")
+
+    return {prefix + ldm(key): tensor.contiguous() for key, tensor in state.items()}

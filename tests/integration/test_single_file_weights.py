@@ -1,6 +1,7 @@
-"""Original-layout single files (BFL FLUX) as `[models.transformer] weights`: read through
-diffusers' converter as key maps with slice rules, equal to the diffusers-layout folder's load
-under 1 rank and under FSDP2 on 2 ranks (real torchrun, gloo); validation reads headers only.
+"""Original-layout single files (BFL FLUX as `[models.transformer] weights`, LDM SD 1.x / SDXL
+as `[models.unet] weights`): read through diffusers' converters as key maps with slice rules,
+equal to the diffusers-layout folder's load under 1 rank and under FSDP2 on 2 ranks (real
+torchrun, gloo); validation reads headers only.
 
 Run: .venv/bin/python -m pytest -q tests/integration/test_single_file_weights.py
 """
@@ -21,7 +22,7 @@ from splitstage.config.job import config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tiny_diffusers import write_tiny_folder
-from tests.helpers.original_layouts import flux_to_bfl
+from tests.helpers.original_layouts import flux_to_bfl, unet_to_ldm
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 
@@ -32,24 +33,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    """A tiny FLUX folder, its transformer written as BFL's flux1-dev.safetensors, a data set."""
+    """Tiny FLUX, SD and SDXL folders, their denoisers written in the original layouts (BFL's
+    flux1-dev.safetensors; full LDM checkpoints, the VAE's tensors beside the UNet), a data set."""
     root = tmp_path_factory.mktemp("single-file")
-    write_tiny_folder("flux", root / "flux")
+    for family in ("flux", "sd", "sdxl"):
+        write_tiny_folder(family, root / family)
     write_digits_dataset(root / "data", limit=4, size=32)
     state = load_file(root / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")
     (root / "bfl").mkdir()
     save_file(flux_to_bfl(state), root / "bfl" / "flux1-dev.safetensors")
+    (root / "ldm").mkdir()
+    for family in ("sd", "sdxl"):
+        state = load_file(root / family / "unet" / "diffusion_pytorch_model.safetensors")
+        vae = load_file(root / family / "vae" / "diffusion_pytorch_model.safetensors")
+        full = unet_to_ldm(state, layers_per_block=1)
+        full |= {f"first_stage_model.{key}": tensor for key, tensor in vae.items()}
+        save_file(full, root / "ldm" / f"{family}.safetensors")
     return root
 
 
-def document(root: Path, name: str, weights: Path | None, **train) -> dict:
-    """A full fine-tuning FLUX job; `weights` overrides the folder's transformer."""
-    models = {"transformer": {"weights": str(weights)}} if weights else {}
+def document(root: Path, name: str, weights: Path | None, family: str = "flux", **train) -> dict:
+    """A full fine-tuning job of `family`; `weights` overrides the folder's denoiser."""
+    denoiser = "unet" if family in ("sd", "sdxl") else "transformer"
+    models = {denoiser: {"weights": str(weights)}} if weights else {}
     return {
         "job": {"name": name},
-        "pipeline": {"name": "flux", "pretrained": str(root / "flux"), "resolution": 64},
+        "pipeline": {"name": family, "pretrained": str(root / family), "resolution": 64},
         "models": models,
-        "trainable": {"full": ["transformer"]},
+        "trainable": {"full": [denoiser]},
         "data": {"base_path": str(root / "data")},
         "cache": {"url": str(root / "cache")},
         "train": {"batch_size": 2, "max_steps": 1} | train,
@@ -58,7 +69,7 @@ def document(root: Path, name: str, weights: Path | None, **train) -> dict:
 
 
 def loaded_state(root: Path, out: Path, nproc: int, weights: Path | None, **train) -> dict:
-    """The transformer as stage 2 builds it under `nproc` torchrun ranks, gathered."""
+    """The trained denoiser as stage 2 builds it under `nproc` torchrun ranks, gathered."""
     out.mkdir(parents=True)
     config = config_from_dict(document(root, out.name, weights, **train))
     (out / "config.json").write_text(config.model_dump_json())
@@ -77,6 +88,19 @@ def folder_load(root, tmp_path_factory) -> dict:
     return loaded_state(root, tmp_path_factory.mktemp("ref") / "folder", 1, None)
 
 
+@pytest.fixture(scope="module")
+def unet_folder_loads(root, tmp_path_factory) -> dict:
+    """Per family, the reference: the folder's UNet loaded by stage 2 on 1 rank (made lazily)."""
+    base, loads = tmp_path_factory.mktemp("unet-ref"), {}
+
+    def load(family: str) -> dict:
+        if family not in loads:
+            loads[family] = loaded_state(root, base / family, 1, None, family=family)
+        return loads[family]
+
+    return load
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_bfl_flux_file_loads_as_the_diffusers_folder(root, tmp_path, folder_load, nproc):
     train = {"parallelism": "fsdp", "nproc_per_node": 2} if nproc == 2 else {}
@@ -89,10 +113,28 @@ def test_a_bfl_flux_file_loads_as_the_diffusers_folder(root, tmp_path, folder_lo
         assert torch.equal(tensor, original[key]), key
 
 
-def test_validate_reads_only_the_header_of_a_bfl_file(root, tmp_path, capsys):
-    bfl = root / "bfl" / "flux1-dev.safetensors"
+@pytest.mark.parametrize(("family", "nproc"), [("sd", 1), ("sdxl", 1), ("sd", 2)])
+def test_an_ldm_checkpoint_loads_as_the_diffusers_unet_folder(
+    root, tmp_path, unet_folder_loads, family, nproc
+):
+    train = {"parallelism": "fsdp", "nproc_per_node": 2} if nproc == 2 else {}
+    ldm = root / "ldm" / f"{family}.safetensors"
+    state = loaded_state(root, tmp_path / f"ldm-{nproc}", nproc, ldm, family=family, **train)
+    folder_load = unet_folder_loads(family)
+    original = load_file(root / family / "unet" / "diffusion_pytorch_model.safetensors")
+    assert set(state) == set(folder_load) == set(original)
+    for key, tensor in folder_load.items():
+        assert torch.equal(state[key], tensor), key
+        assert torch.equal(tensor, original[key]), key
+
+
+@pytest.mark.parametrize(("family", "file"), [("flux", "bfl/flux1-dev"), ("sdxl", "ldm/sdxl")])
+def test_validate_reads_only_the_header_of_an_original_layout_file(
+    root, tmp_path, capsys, family, file
+):
+    weights = root / f"{file}.safetensors"
     path = tmp_path / "job.toml"
-    path.write_text(toml(document(root, "bfl-validate", bfl)))
+    path.write_text(toml(document(root, "validate", weights, family=family)))
     with weight_loads() as seen:
         code = main(["validate", str(path)])
     assert code == 0, capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Key rules found by running a converter on a row-id proxy: renames, dim-0 splits and row
-swaps read exactly (whole or by region); anything else is refused; unread layouts say so."""
+swaps read exactly (whole or by region); anything else is refused; an LDM UNet checkpoint reads
+as renames of its UNet tensors; unread layouts (original SD3) say so."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from splitstage.pipelines.diffusers.single_file import SingleFileError, single_file_rules
 from splitstage.pipelines.key_rules import KeyRuleError, derive_rules
+from tests.helpers.original_layouts import unet_to_ldm
 
 
 def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -43,12 +45,13 @@ def test_a_converter_that_computes_values_is_refused():
         derive_rules(lambda s: {"w": s["a"].reshape(1, -1).repeat(2, 1)}, {"a": (4, 1)})
 
 
-def test_an_ldm_unet_single_file_is_refused_in_one_line():
+def tiny_unet():
+    """A 2-level UNet2DConditionModel on meta (the tiny SD one's shape)."""
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
     with init_empty_weights():
-        unet = UNet2DConditionModel(
+        return UNet2DConditionModel(
             block_out_channels=(32, 64),
             layers_per_block=1,
             norm_num_groups=8,
@@ -56,8 +59,44 @@ def test_an_ldm_unet_single_file_is_refused_in_one_line():
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             cross_attention_dim=32,
         )
-    shapes = {"model.diffusion_model.input_blocks.0.0.weight": (32, 4, 3, 3)}
-    with pytest.raises(SingleFileError, match="not read yet; convert it once") as error:
-        single_file_rules(unet, shapes)
-    assert "\n" not in str(error.value)
+
+
+def test_an_ldm_unet_checkpoint_reads_as_renames_of_its_unet_tensors():
+    unet = tiny_unet()
+    state = unet.state_dict()
+    ldm = unet_to_ldm(state, layers_per_block=1)
+    ldm["first_stage_model.encoder.conv_in.weight"] = torch.empty(8, 3, 3, 3, device="meta")
+    shapes = {key: tuple(t.shape) for key, t in ldm.items()}
+    rules, layout = single_file_rules(unet, shapes)
+    assert layout == "original (LDM) Stable Diffusion"
+    assert set(rules) == set(state)
+    for key, rule in rules.items():
+        assert rule.is_rename(shapes), key
+        assert rule.shape(shapes) == tuple(state[key].shape), key
+    assert not any(p.key.startswith("first_stage_model.") for r in rules.values() for p in r.pieces)
     assert single_file_rules(unet, {"conv_in.weight": (32, 4, 3, 3)}) is None
+
+
+def test_an_original_sd3_single_file_is_refused_in_one_line():
+    from accelerate import init_empty_weights
+    from diffusers import SD3Transformer2DModel
+
+    with init_empty_weights():
+        sd3 = SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            caption_projection_dim=32,
+            pooled_projection_dim=32,
+            pos_embed_max_size=16,
+        )
+    marker = "model.diffusion_model.joint_blocks.0.context_block.adaLN_modulation.1.bias"
+    with pytest.raises(SingleFileError, match="not read yet; convert it once") as error:
+        single_file_rules(sd3, {marker: (192,)})
+    assert "\n" not in str(error.value)
+    assert single_file_rules(sd3, {"pos_embed.pos_embed": (1, 256, 32)}) is None
