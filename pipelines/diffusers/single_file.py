@@ -1,11 +1,11 @@
-"""Original-layout single files (BFL's flux1-dev.safetensors, LDM SD 1.x / SDXL UNets, SD3)
-read through diffusers' own `from_single_file` converters, as key maps with slice rules.
+"""Original-layout single files (BFL's flux1-dev.safetensors, LDM SD 1.x / SDXL UNets, original
+SD3) read through diffusers' own `from_single_file` converters, as key maps with slice rules.
 
 The converter (diffusers.loaders.single_file_model's `checkpoint_mapping_fn` for the class) runs
 once on a row-id proxy of the file's header (`key_rules.derive_rules`): no weights are read, and
 each rank later reads only its slices of the original tensors. The converter gets the model's
 diffusers config, as `from_single_file(config=...)` does (the LDM UNet one numbers blocks by
-its layers_per_block); a full LDM checkpoint's other tensors (VAE, text encoder, EMA) are
+its layers_per_block); a full checkpoint's other tensors (VAE, text encoders, EMA) are
 ignored, as diffusers ignores them.
 """
 
@@ -19,14 +19,13 @@ from torch import nn
 from splitstage.pipelines.key_rules import KeyRuleError, Rule, derive_rules
 
 # Class -> (layout name for messages, keys one of which marks the original layout: the
-# CHECKPOINT_KEY_NAMES diffusers detects these files by; an LDM UNet by its conv_in).
+# CHECKPOINT_KEY_NAMES diffusers detects these files by; an LDM UNet by its conv_in). Each
+# converter is renames / row slices only, tested exact against the diffusers folder's load.
 LAYOUTS = {
     "FluxTransformer2DModel": ("BFL FLUX", "flux"),
     "SD3Transformer2DModel": ("original SD3", "sd3"),
     "UNet2DConditionModel": ("original (LDM) Stable Diffusion", "inpainting"),
 }
-# Tested exact (pure renames / row slices); SD3 is refused in one line for now.
-READ = {"FluxTransformer2DModel", "UNet2DConditionModel"}
 FLUX_CONVERTER_WIDTH = 3072  # diffusers' FLUX converter hard-codes inner_dim = 3072
 
 
@@ -64,12 +63,6 @@ def single_file_rules(
 
     plain = _plain(model)
     name = _class_name(model)
-    if name not in READ:
-        raise SingleFileError(
-            f"is in the {LAYOUTS[name][0]} single-file layout, which is not read yet; convert "
-            f"it once ({name}.from_single_file(path).save_pretrained(DIR)) and set weights = "
-            "'DIR'"
-        )
     convert = SINGLE_FILE_LOADABLE_CLASSES[name]["checkpoint_mapping_fn"]
     config: dict[str, Any] = dict(plain.config)
     scale = _row_scale(plain)

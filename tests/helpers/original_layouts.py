@@ -1,5 +1,5 @@
 """Diffusers state dicts written back in their original single-file layouts (BFL FLUX, LDM SD
-UNet), by hand from the published key tables: the inverse of diffusers' `from_single_file`
+UNet, SD3), by hand from the published key tables: the inverse of diffusers' `from_single_file`
 converters, independent of the key rules under test."""
 
 from __future__ import annotations
@@ -134,3 +134,69 @@ def unet_to_ldm(
         raise KeyError(f"no LDM name for {key}")
 
     return {prefix + ldm(key): tensor.contiguous() for key, tensor in state.items()}
+
+
+J = r"transformer_blocks\.(\d+)\."  # an SD3 joint block
+SD3_RENAMES = [  # diffusers (regex) -> original SD3; fused qkv and swaps are in `sd3_to_original`
+    (r"pos_embed\.pos_embed", "pos_embed"),
+    (r"pos_embed\.proj\.", "x_embedder.proj."),
+    (r"time_text_embed\.timestep_embedder\.linear_1\.", "t_embedder.mlp.0."),
+    (r"time_text_embed\.timestep_embedder\.linear_2\.", "t_embedder.mlp.2."),
+    (r"time_text_embed\.text_embedder\.linear_1\.", "y_embedder.mlp.0."),
+    (r"time_text_embed\.text_embedder\.linear_2\.", "y_embedder.mlp.2."),
+    (r"context_embedder\.", "context_embedder."),
+    (J + r"attn\.norm_q\.", r"joint_blocks.\1.x_block.attn.ln_q."),
+    (J + r"attn\.norm_k\.", r"joint_blocks.\1.x_block.attn.ln_k."),
+    (J + r"attn\.norm_added_q\.", r"joint_blocks.\1.context_block.attn.ln_q."),
+    (J + r"attn\.norm_added_k\.", r"joint_blocks.\1.context_block.attn.ln_k."),
+    (J + r"attn\.to_out\.0\.", r"joint_blocks.\1.x_block.attn.proj."),
+    (J + r"attn\.to_add_out\.", r"joint_blocks.\1.context_block.attn.proj."),
+    (J + r"attn2\.norm_q\.", r"joint_blocks.\1.x_block.attn2.ln_q."),
+    (J + r"attn2\.norm_k\.", r"joint_blocks.\1.x_block.attn2.ln_k."),
+    (J + r"attn2\.to_out\.0\.", r"joint_blocks.\1.x_block.attn2.proj."),
+    (J + r"norm1\.linear\.", r"joint_blocks.\1.x_block.adaLN_modulation.1."),
+    (J + r"ff\.net\.0\.proj\.", r"joint_blocks.\1.x_block.mlp.fc1."),
+    (J + r"ff\.net\.2\.", r"joint_blocks.\1.x_block.mlp.fc2."),
+    (J + r"ff_context\.net\.0\.proj\.", r"joint_blocks.\1.context_block.mlp.fc1."),
+    (J + r"ff_context\.net\.2\.", r"joint_blocks.\1.context_block.mlp.fc2."),
+    (r"proj_out\.", "final_layer.linear."),
+]  # fmt: skip
+
+
+def sd3_to_original(
+    state: dict[str, torch.Tensor], prefix: str = "model.diffusion_model."
+) -> dict[str, torch.Tensor]:
+    """An SD3Transformer2DModel state dict in the original (SD3 medium single-file) layout."""
+    fused = {
+        r"^" + J + r"attn\.to_([qkv])\.(\w+)$": "joint_blocks.{0}.x_block.attn.qkv.{2}",
+        r"^" + J + r"attn\.add_([qkv])_proj\.(\w+)$": "joint_blocks.{0}.context_block.attn.qkv.{2}",
+        r"^" + J + r"attn2\.to_([qkv])\.(\w+)$": "joint_blocks.{0}.x_block.attn2.qkv.{2}",
+    }  # fmt: skip
+    last = max(int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks."))
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        match = next((m for p in fused if (m := re.match(p, key))), None)
+        if match:
+            name = fused[match.re.pattern].format(*match.groups())
+            parts.setdefault(name, {})[match.group(2)] = tensor
+            continue
+        if m := re.match(J + r"norm1_context\.linear\.(\w+)$", key):
+            name = f"joint_blocks.{m[1]}.context_block.adaLN_modulation.1.{m[2]}"
+            # diffusers holds the last (context_pre_only) block's as (scale, shift): swap back
+            out[name] = torch.cat(tensor.chunk(2)[::-1]) if int(m[1]) == last else tensor
+            continue
+        if key.startswith("norm_out.linear."):  # (scale, shift) in diffusers: swap back
+            name = key.replace("norm_out.linear.", "final_layer.adaLN_modulation.1.")
+            out[name] = torch.cat(tensor.chunk(2)[::-1])
+            continue
+        for pattern, target in SD3_RENAMES:
+            renamed, count = re.subn(f"^{pattern}", target, key)
+            if count:
+                out[renamed] = tensor
+                break
+        else:
+            raise KeyError(f"no original SD3 name for {key}")
+    for name, pieces in parts.items():
+        out[name] = torch.cat([pieces[c] for c in "qkv"])
+    return {prefix + key: tensor.contiguous() for key, tensor in out.items()}

@@ -1,7 +1,7 @@
-"""Original-layout single files (BFL FLUX as `[models.transformer] weights`, LDM SD 1.x / SDXL
-as `[models.unet] weights`): read through diffusers' converters as key maps with slice rules,
-equal to the diffusers-layout folder's load under 1 rank and under FSDP2 on 2 ranks (real
-torchrun, gloo); validation reads headers only.
+"""Original-layout single files (BFL FLUX and original SD3 as `[models.transformer] weights`,
+LDM SD 1.x / SDXL as `[models.unet] weights`): read through diffusers' converters as key maps
+with slice rules, equal to the diffusers-layout folder's load under 1 rank and under FSDP2 on 2
+ranks (real torchrun, gloo); validation reads headers only.
 
 Run: .venv/bin/python -m pytest -q tests/integration/test_single_file_weights.py
 """
@@ -22,7 +22,7 @@ from splitstage.config.job import config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tiny_diffusers import write_tiny_folder
-from tests.helpers.original_layouts import flux_to_bfl, unet_to_ldm
+from tests.helpers.original_layouts import flux_to_bfl, sd3_to_original, unet_to_ldm
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 
@@ -33,22 +33,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    """Tiny FLUX, SD and SDXL folders, their denoisers written in the original layouts (BFL's
-    flux1-dev.safetensors; full LDM checkpoints, the VAE's tensors beside the UNet), a data set."""
+    """Tiny FLUX, SD, SDXL and SD3 folders, their denoisers written in the original layouts
+    (BFL's flux1-dev.safetensors; full checkpoints, the VAE's tensors beside the denoiser)."""
     root = tmp_path_factory.mktemp("single-file")
-    for family in ("flux", "sd", "sdxl"):
+    for family in ("flux", "sd", "sdxl", "sd3"):
         write_tiny_folder(family, root / family)
     write_digits_dataset(root / "data", limit=4, size=32)
     state = load_file(root / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")
     (root / "bfl").mkdir()
     save_file(flux_to_bfl(state), root / "bfl" / "flux1-dev.safetensors")
-    (root / "ldm").mkdir()
-    for family in ("sd", "sdxl"):
-        state = load_file(root / family / "unet" / "diffusion_pytorch_model.safetensors")
+    (root / "original").mkdir()
+    for family in ("sd", "sdxl", "sd3"):
+        denoiser = "transformer" if family == "sd3" else "unet"
+        state = load_file(root / family / denoiser / "diffusion_pytorch_model.safetensors")
         vae = load_file(root / family / "vae" / "diffusion_pytorch_model.safetensors")
-        full = unet_to_ldm(state, layers_per_block=1)
+        full = sd3_to_original(state) if family == "sd3" else unet_to_ldm(state, 1)
         full |= {f"first_stage_model.{key}": tensor for key, tensor in vae.items()}
-        save_file(full, root / "ldm" / f"{family}.safetensors")
+        save_file(full, root / "original" / f"{family}.safetensors")
     return root
 
 
@@ -89,9 +90,9 @@ def folder_load(root, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unet_folder_loads(root, tmp_path_factory) -> dict:
-    """Per family, the reference: the folder's UNet loaded by stage 2 on 1 rank (made lazily)."""
-    base, loads = tmp_path_factory.mktemp("unet-ref"), {}
+def folder_loads(root, tmp_path_factory) -> dict:
+    """Per family, the reference: the folder's denoiser loaded by stage 2 on 1 rank (lazily)."""
+    base, loads = tmp_path_factory.mktemp("family-ref"), {}
 
     def load(family: str) -> dict:
         if family not in loads:
@@ -113,22 +114,25 @@ def test_a_bfl_flux_file_loads_as_the_diffusers_folder(root, tmp_path, folder_lo
         assert torch.equal(tensor, original[key]), key
 
 
-@pytest.mark.parametrize(("family", "nproc"), [("sd", 1), ("sdxl", 1), ("sd", 2)])
-def test_an_ldm_checkpoint_loads_as_the_diffusers_unet_folder(
-    root, tmp_path, unet_folder_loads, family, nproc
+@pytest.mark.parametrize(
+    ("family", "nproc"), [("sd", 1), ("sdxl", 1), ("sd", 2), ("sd3", 1), ("sd3", 2)]
+)
+def test_an_ldm_or_sd3_checkpoint_loads_as_the_diffusers_folder(
+    root, tmp_path, folder_loads, family, nproc
 ):
     train = {"parallelism": "fsdp", "nproc_per_node": 2} if nproc == 2 else {}
-    ldm = root / "ldm" / f"{family}.safetensors"
-    state = loaded_state(root, tmp_path / f"ldm-{nproc}", nproc, ldm, family=family, **train)
-    folder_load = unet_folder_loads(family)
-    original = load_file(root / family / "unet" / "diffusion_pytorch_model.safetensors")
+    file = root / "original" / f"{family}.safetensors"
+    state = loaded_state(root, tmp_path / f"orig-{nproc}", nproc, file, family=family, **train)
+    folder_load = folder_loads(family)
+    denoiser = "transformer" if family == "sd3" else "unet"
+    original = load_file(root / family / denoiser / "diffusion_pytorch_model.safetensors")
     assert set(state) == set(folder_load) == set(original)
     for key, tensor in folder_load.items():
         assert torch.equal(state[key], tensor), key
         assert torch.equal(tensor, original[key]), key
 
 
-@pytest.mark.parametrize(("family", "file"), [("flux", "bfl/flux1-dev"), ("sdxl", "ldm/sdxl")])
+@pytest.mark.parametrize(("family", "file"), [("flux", "bfl/flux1-dev"), ("sdxl", "original/sdxl")])
 def test_validate_reads_only_the_header_of_an_original_layout_file(
     root, tmp_path, capsys, family, file
 ):

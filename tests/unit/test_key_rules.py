@@ -1,6 +1,7 @@
 """Key rules found by running a converter on a row-id proxy: renames, dim-0 splits and row
 swaps read exactly (whole or by region); anything else is refused; an LDM UNet checkpoint reads
-as renames of its UNet tensors; unread layouts (original SD3) say so."""
+as renames of its UNet tensors, an original SD3 file as all of the model's tensors; a file the
+converter cannot map is refused in one line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from splitstage.pipelines.diffusers.single_file import SingleFileError, single_file_rules
 from splitstage.pipelines.key_rules import KeyRuleError, derive_rules
-from tests.helpers.original_layouts import unet_to_ldm
+from tests.helpers.original_layouts import sd3_to_original, unet_to_ldm
 
 
 def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,26 +78,43 @@ def test_an_ldm_unet_checkpoint_reads_as_renames_of_its_unet_tensors():
     assert single_file_rules(unet, {"conv_in.weight": (32, 4, 3, 3)}) is None
 
 
-def test_an_original_sd3_single_file_is_refused_in_one_line():
+def tiny_sd3(**overrides):
+    """A 2-block SD3Transformer2DModel on meta (the tiny SD3 one's shape)."""
     from accelerate import init_empty_weights
     from diffusers import SD3Transformer2DModel
 
+    config = {
+        "sample_size": 8,
+        "patch_size": 2,
+        "in_channels": 16,
+        "out_channels": 16,
+        "num_layers": 2,
+        "attention_head_dim": 8,
+        "num_attention_heads": 4,
+        "joint_attention_dim": 32,
+        "caption_projection_dim": 32,
+        "pooled_projection_dim": 32,
+        "pos_embed_max_size": 16,
+    }
     with init_empty_weights():
-        sd3 = SD3Transformer2DModel(
-            sample_size=8,
-            patch_size=2,
-            in_channels=16,
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            joint_attention_dim=32,
-            caption_projection_dim=32,
-            pooled_projection_dim=32,
-            pos_embed_max_size=16,
-        )
+        return SD3Transformer2DModel(**(config | overrides))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"qk_norm": "rms_norm", "dual_attention_layers": (0,)}])
+def test_an_original_sd3_file_reads_every_tensor_of_the_model(overrides):
+    sd3 = tiny_sd3(**overrides)  # SD3 medium's layout, then 3.5's (qk norms, a second attention)
+    state = sd3.state_dict()
+    shapes = {key: tuple(t.shape) for key, t in sd3_to_original(state).items()}
+    rules, layout = single_file_rules(sd3, shapes)
+    assert layout == "original SD3"
+    assert {key: rule.shape(shapes) for key, rule in rules.items()} == {
+        key: tuple(t.shape) for key, t in state.items()
+    }
+
+
+def test_a_file_of_another_architecture_is_refused_in_one_line():
     marker = "model.diffusion_model.joint_blocks.0.context_block.adaLN_modulation.1.bias"
-    with pytest.raises(SingleFileError, match="not read yet; convert it once") as error:
-        single_file_rules(sd3, {marker: (192,)})
+    with pytest.raises(SingleFileError, match="cannot convert it .*original SD3") as error:
+        single_file_rules(tiny_sd3(), {marker: (192,)})
     assert "\n" not in str(error.value)
-    assert single_file_rules(sd3, {"pos_embed.pos_embed": (1, 256, 32)}) is None
+    assert single_file_rules(tiny_sd3(), {"pos_embed.pos_embed": (1, 256, 32)}) is None
