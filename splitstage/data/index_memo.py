@@ -1,5 +1,5 @@
 """The index memo: a data set's rows and sample keys as last indexed, kept beside the hash memo
-(`<cache.url>/data-memo/<digest of the data set URL>.index.safetensors`), so a rerun whose
+(`<cache.url>/data-memo/<digest of the data set URL>.index.parquet`), so a rerun whose
 metadata file and images are unchanged costs one stat per image (a listing on object stores)
 plus one file read: no metadata parsing, no row checks, no image reads, no hashing.
 
@@ -12,10 +12,15 @@ all of those files and the metadata file are older than the hash memo's trust ma
 and not when an image read failed (a failure that may not recur). Anything else: the full index
 and a new memo. Losing it only costs time; a corrupt one is ignored with one warning line.
 
-Format (safetensors, no pickle): text columns NUL-joined UTF-8 (`files`, `images`, `prompts`,
-`extras` as JSON or '', and `versions` for ETags), int64 `sizes` / `mtimes` / `lines`, uint8
-`keys` [N, 32], `skipped` as JSON bytes; the header holds the format, the rules digest, the data
-set URL, the metadata file's stat, the counts and a CRC-32 of the columns (checked on load).
+Format (Parquet via pyarrow, no pickle; uncompressed, no statistics): text columns NUL-joined
+UTF-8 (`files`, `images`, `prompts`, `extras` as JSON or '', `absent`, and `versions` for ETags),
+the 32-byte `keys` end to end, `skipped` as JSON, and int64 `sizes` / `mtimes` / `lines` (little
+endian), each stored as Parquet rows (`column`, `dtype`, `piece`) of at most 256 MiB of its bytes
+(a Parquet value or page must stay under 2 GiB). The schema metadata holds the format, the
+rules digest, the data set URL, the metadata file's stat and the counts. Every page carries
+Parquet's CRC-32, verified on load. A memo of the earlier safetensors format
+(`.index.safetensors`) is never read: the first run after the change indexes in full and writes
+the Parquet memo (the old file is left as it is; deleting it is safe).
 """
 
 from __future__ import annotations
@@ -25,26 +30,25 @@ import json
 import logging
 import os
 import sys
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from splitstage.data.dataset import Row
 from splitstage.data.file_stats import FileCheck
 from splitstage.data.hash_memo import TRUST_MARGIN_NS, stop_if_cache_unusable
 from splitstage.data.row_table import RowTable, extras_text
 from splitstage.data.source import DataSource, Listing
-from splitstage.storage.safetensors_io import read_metadata
 
 log = logging.getLogger(__name__)
-FORMAT = "splitstage-data-index-v1"
-SUFFIX = ".index.safetensors"
+FORMAT = "splitstage-data-index-v2"
+SUFFIX = ".index.parquet"
+_PIECE = 256 << 20  # bytes per Parquet value
 _SEP = "\0"
 _RULE_MODULES = (  # the code whose behaviour the memo's contents depend on
     "splitstage.data.dataset",
@@ -133,7 +137,6 @@ def encode(
     tensors["skipped"] = np.frombuffer(skipped, np.uint8)
     source = result.rows[0].source if result.rows else ""
     meta = {
-        "crc32": str(_crc32(tensors)),
         "format": FORMAT,
         "rules": rules,
         "data_url": data_url,
@@ -148,7 +151,7 @@ def encode(
     if metadata_bytes:  # so that rows appended later are all a rerun parses (`appended`)
         meta["metadata_length"] = str(len(metadata_bytes))
         meta["metadata_sha256"] = hashlib.sha256(metadata_bytes).hexdigest()
-    return st_save(tensors, metadata=meta)
+    return _write(tensors, meta)
 
 
 def appended(meta: Mapping[str, str], data: bytes, name: str) -> tuple[bytes, int] | None:
@@ -187,15 +190,13 @@ def load(
         log.warning("index memo %s not read (%s); indexing every row", url, type(exc).__name__)
         return None
     try:
-        meta = read_metadata(data)
+        memo = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+        meta = {k.decode(): v.decode() for k, v in (memo.schema_arrow.metadata or {}).items()}
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         if (meta.get("rules"), meta.get("data_url")) != (rules, data_url):
             return None  # the code, the settings or the data set changed: not an error
-        tensors = st_load(data)
-        if meta.get("crc32") != str(_crc32(tensors)):
-            raise ValueError("its checksum does not match its contents")
-        return meta, tensors
+        return meta, _columns(memo.read(use_threads=False))  # a flipped byte fails its page CRC
     except Exception as exc:
         log.warning("index memo %s is unusable (%s); indexing every row", url, exc)
         return None
@@ -306,14 +307,66 @@ def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> Index
     return IndexResult(rows, keys, skipped, int(meta["duplicates"]), int(meta["hits"]))
 
 
-def _crc32(tensors: Mapping[str, np.ndarray]) -> int:
-    """CRC-32 of every column's bytes in name order: a flipped byte (a wrong prompt for a right
-    key) is caught on load, never used."""
-    crc = 0
-    for name in sorted(tensors):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(np.ascontiguousarray(tensors[name]), crc)  # no copy
-    return crc
+def _write(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
+    """The columns as Parquet rows of pieces, `meta` as schema metadata, a CRC-32 on every page."""
+    names, dtypes, pieces = [], [], []
+    for name, column in tensors.items():
+        raw = np.ascontiguousarray(column, "<i8" if column.dtype == np.int64 else np.uint8)
+        raw = raw.view(np.uint8).reshape(-1)
+        ends = np.array([*range(0, max(len(raw), 1), _PIECE), len(raw)], np.int64)  # >= 1 piece
+        buffers = [None, pa.py_buffer(ends), pa.py_buffer(raw)]  # the bytes are not copied
+        pieces.append(pa.Array.from_buffers(pa.large_binary(), len(ends) - 1, buffers))
+        names += [name] * (len(ends) - 1)
+        dtypes += [str(column.dtype)] * (len(ends) - 1)
+    table = pa.table(
+        {
+            "column": pa.array(names, pa.string()),
+            "dtype": pa.array(dtypes, pa.string()),
+            "piece": pa.chunked_array(pieces, pa.large_binary()),
+        }
+    ).replace_schema_metadata(dict(meta))
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table,
+        sink,
+        compression="none",
+        use_dictionary=False,
+        write_statistics=False,
+        write_page_checksum=True,
+        write_batch_size=1,  # a page ends after any piece past 1 MiB: pages stay under 2 GiB
+    )
+    return sink.getvalue().to_pybytes()
+
+
+def _columns(table: pa.Table) -> dict[str, np.ndarray]:
+    """The memo's columns from its rows of pieces: int64 arrays, and uint8 ones (`keys` [N, 32])."""
+    pieces: dict[str, list[memoryview]] = {}
+    dtypes: dict[str, str] = {}
+    rows = zip(
+        table.column("column").to_pylist(),
+        table.column("dtype").to_pylist(),
+        (p for chunk in table.column("piece").chunks for p in _pieces(chunk)),
+        strict=True,
+    )
+    for name, dtype, piece in rows:
+        if dtypes.setdefault(name, dtype) != dtype or dtype not in ("int64", "uint8"):
+            raise ValueError(f"its column {name} has type {dtype}")
+        pieces.setdefault(name, []).append(piece)
+    tensors = {}
+    for name, parts in pieces.items():
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        tensors[name] = np.frombuffer(joined, "<i8" if dtypes[name] == "int64" else np.uint8)
+    if "keys" in tensors:
+        tensors["keys"] = tensors["keys"].reshape(-1, 32)
+    return tensors
+
+
+def _pieces(chunk: pa.LargeBinaryArray) -> list[memoryview]:
+    """The values of a binary array as views of its data buffer (iterating would be slower)."""
+    _, offsets, data = chunk.buffers()
+    ends = np.frombuffer(offsets, np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
+    view = memoryview(data if data is not None else b"")
+    return [view[start:end] for start, end in zip(ends[:-1].tolist(), ends[1:].tolist())]
 
 
 def _join(values: Sequence[str]) -> bytes | None:

@@ -10,7 +10,10 @@ import os
 import time
 from pathlib import Path
 
+import fsspec
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -380,3 +383,38 @@ def test_growth_that_cannot_be_trusted_is_the_full_build(job, change):
     got = index_data_set(config)
     assert got.grown == 0
     _same(got, _truth(config))
+
+
+def test_columns_round_trip_through_parquet_in_pieces(monkeypatch):
+    """A column longer than a piece spans several Parquet rows; an empty one has one empty."""
+    monkeypatch.setattr(index_memo, "_PIECE", 7)
+    tensors = {
+        "files": np.frombuffer("a/ü.png\0b.png\0c".encode(), np.uint8),
+        "absent": np.frombuffer(b"", np.uint8),
+        "keys": np.arange(96, dtype=np.uint8).reshape(3, 32),
+        "sizes": np.array([1, 2**40, -3], np.int64),
+        "lines": np.array([], np.int64),
+    }
+    meta = {"format": index_memo.FORMAT, "rules": "r", "data_url": "d", "rows": "3"}
+    rows = pq.read_table(pa.BufferReader(index_memo._write(tensors, meta))).to_pylist()
+    raw = tensors["files"].tobytes()
+    assert [r["piece"] for r in rows if r["column"] == "files"] == [raw[:7], raw[7:14], raw[14:]]
+    assert [r["piece"] for r in rows if r["column"] == "absent"] == [b""]
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/memo.parquet", index_memo._write(tensors, meta))
+    got = index_memo.load(fs, "/memo.parquet", "memo", data_url="d", rules="r")
+    assert got is not None and got[0] == meta and sorted(got[1]) == sorted(tensors)
+    for name, column in tensors.items():
+        assert got[1][name].dtype == column.dtype and np.array_equal(got[1][name], column)
+
+
+def test_a_memo_of_the_old_format_is_left_alone_and_rebuilt(job):
+    config, _ = job
+    folder = Path(config.cache.url) / FOLDER
+    index_data_set(config)
+    memo = next(folder.glob("*" + index_memo.SUFFIX))
+    old = memo.with_name(memo.name.removesuffix(index_memo.SUFFIX) + ".index.safetensors")
+    old.write_bytes(b"an index memo of the safetensors format")
+    memo.unlink()
+    assert not index_data_set(config).from_memo
+    assert index_data_set(config).from_memo and old.read_bytes().startswith(b"an index")
