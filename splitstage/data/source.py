@@ -8,6 +8,7 @@ A listing maps each file's path relative to the base (as rows name it, '/'-separ
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import threading
@@ -60,6 +61,7 @@ class DataSource:
         self.local = self.scheme == "file"
         self.storage_options = dict(storage_options or {})
         self.credentials_block = credentials_block
+        self.environment = environment_credentials()  # what an unnamed login resolves from
         self._fs: tuple[Any, str] | None = None
         with _lock:
             _sources[self.url] = self
@@ -334,14 +336,32 @@ def source_for(base_path: Any) -> DataSource:
     return found if found is not None else DataSource(url)
 
 
+ENVIRONMENT_LOGIN = (  # what object-store clients read when no credentials are configured
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_DEFAULT_REGION",
+)
+
+
+def environment_credentials() -> str:
+    """A digest of the environment's object-store login (never the secrets themselves): a data
+    source opened under another login is not reused (e.g. a worker whose environment changed)."""
+    values = "\0".join(os.environ.get(name, "") for name in ENVIRONMENT_LOGIN)
+    return hashlib.sha256(values.encode()).hexdigest()[:16]
+
+
 def open_data_source(data: Any) -> DataSource:
     """The DataSource of a DataConfig (base_path, storage_options, credentials_block), reused
     while its settings stay the same (so its filesystem is opened once per process)."""
     url = urls.normalize_url(str(data.base_path), "data.base_path", check_bucket=False)
     with _lock:
         found = _sources.get(url)
-    same = found is not None and (found.storage_options, found.credentials_block) == (
-        dict(data.storage_options),
-        data.credentials_block,
-    )
+    same = found is not None and (
+        found.storage_options,
+        found.credentials_block,
+        found.environment,
+    ) == (dict(data.storage_options), data.credentials_block, environment_credentials())
     return found if same else DataSource(url, data.storage_options, data.credentials_block)
