@@ -1,12 +1,27 @@
-"""FLUX.1: CLIP pooled + T5 prompts, packed 2x2 latents with image ids, guidance, flow matching."""
+"""FLUX.1: CLIP pooled + T5 prompts, packed 2x2 latents with image ids, guidance, flow matching.
+
+It also trains `train.task = "direct_distill"` (see flux_distill.py): the rows' seeded noise is
+cached in stage 1, stage 2 runs the few-step sampling loop with gradients.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from splitstage.config.job import ConfigError
+from splitstage.data.dataset import Row
+from splitstage.pipelines.diffusers.flux_distill import (
+    LOSS_PARAMS,
+    STEP_PARAMS,
+    distill_loss,
+    distill_values,
+    noise_unit,
+)
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.packing import image_ids, pack
 from splitstage.pipelines.diffusers.recipes import flow_draw
@@ -20,7 +35,8 @@ from splitstage.pipelines.diffusers.text import (
     with_empty,
 )
 from splitstage.pipelines.family import TrainingStep
-from splitstage.pipelines.runtime import StepContext
+from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.splitter import Pipeline
 
 
 class FluxFamily(FlowTransformerFamily):
@@ -33,6 +49,39 @@ class FluxFamily(FlowTransformerFamily):
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
     text_models = ("text_encoder", "text_encoder_2")
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds")
+    tasks = ("sft", "direct_distill")
+
+    @property
+    def distilling(self) -> bool:
+        """Whether the job trains direct distillation rather than the flow-matching loss."""
+        return self.config.train.task == "direct_distill"
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The pipeline's stage-1 settings, and the task when the cache holds seeded noise."""
+        task = {"task": "direct_distill"} if self.distilling else {}
+        return super().stage1_settings() | task
+
+    def units(self) -> list[RunnableUnit]:
+        """The shared units; direct distillation adds the row-seeded noise (V2) after them."""
+        return [*super().units(), noise_unit()] if self.distilling else super().units()
+
+    def pipeline_spec(self) -> Pipeline:
+        """Direct distillation's loss reads the cached noise and the row's steps / cfg_scale."""
+        spec = super().pipeline_spec()
+        if not self.distilling:
+            return spec
+        return replace(spec, loss_params=LOSS_PARAMS, step_params=STEP_PARAMS)
+
+    def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
+        """The image and prompt; direct distillation also the row's teacher settings."""
+        sample = super().load_sample(row, base_path)
+        return sample | distill_values(row) if self.distilling else sample
+
+    def training_loss(self, ctx: StepContext, inputs: dict[str, Any]) -> torch.Tensor:
+        """Flow matching, or direct distillation's few-step loop with gradients."""
+        if self.distilling:
+            return distill_loss(self, ctx, inputs)
+        return super().training_loss(ctx, inputs)
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """T5 states [B, L, D] and CLIP pooled [B, P] of the prompts and of ''."""
@@ -46,6 +95,11 @@ class FluxFamily(FlowTransformerFamily):
 
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
         """Flow matching on packed latents; timesteps / 1000; guidance when the model has it."""
+        if self.distilling:
+            raise ConfigError(
+                "train.task='direct_distill': the flux family trains it through its whole "
+                "sampling loop; use train.parallelism 'ddp', 'fsdp' or 'tp'"
+            )
         x0 = inputs["input_latents"].to(ctx.device, torch.float32)
         draw = flow_draw(ctx, x0, self.noise_scheduler)
         inputs.update(noise=draw["noise"], timestep=draw["timestep"], latents=draw["latents"])

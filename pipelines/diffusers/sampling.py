@@ -116,17 +116,31 @@ def sd3_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guid
 
 def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance, size):
     """FLUX: packed latents, FlowMatchEuler shifted for the image size, embedded guidance."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+    from diffusers import FluxPipeline
 
     model = ctx.model(family.denoiser, "sample")
-    dtype = input_dtype(model)
-    config = family.scheduler_config
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     count = cond["prompt_embeds"].shape[0]
     channels = int(family.vae_config["latent_channels"])
     height, width = latent_shape(family, size)
     noise = torch.randn(count, channels, height, width, generator=generator).to(ctx.device)
+    x = flux_loop(
+        family, model, ctx, noise, cond, steps=steps, guidance=guidance, generator=generator
+    )
+    return FluxPipeline._unpack_latents(x, size[0], size[1], vae_scale(family))
+
+
+def flux_loop(
+    family, model, ctx: StepContext, noise, cond, *, steps, guidance, generator=None
+) -> torch.Tensor:
+    """FluxPipeline's denoising loop from `noise` [B, C, h, w]: the packed final latents (the
+    caller decides on gradients: validation samples under no_grad, direct distillation not)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    dtype = input_dtype(model)
+    config = family.scheduler_config
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    count, _, height, width = noise.shape
     mu = calculate_shift(
         (height // 2) * (width // 2),  # packed tokens: 2x2 latent patches
         config.get("base_image_seq_len", 256),
@@ -157,7 +171,7 @@ def flux_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
             return_dict=False,
         )[0].float()
         x = _step(scheduler, v, t, x, generator)
-    return FluxPipeline._unpack_latents(x, size[0], size[1], vae_scale(family))
+    return x
 
 
 def vae_decode(family, vae, latents: torch.Tensor) -> torch.Tensor:
