@@ -298,10 +298,13 @@ def ctrl_c_ignored_by_children() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _leave_ctrl_c() -> None:
+def _worker_start() -> None:
     """Pool-worker start: Ctrl-C in the terminal reaches the whole process group; the
-    coordinator alone handles it (it stops the workers; their shards are written atomically)."""
+    coordinator alone handles it (it stops the workers; their shards are written atomically).
+    tqdm's lock is a thread lock here: its default, a multiprocessing lock, is a named semaphore
+    a stopped worker never releases (the resource tracker then warns of a leak at exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tqdm.set_lock(threading.RLock())
 
 
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex, verify):
@@ -344,7 +347,7 @@ def preprocess(
         )
         payload = config.model_dump_json()
         context = get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_leave_ctrl_c) as pool:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_start) as pool:
             try:
                 with ctrl_c_ignored_by_children():
                     futures = [
