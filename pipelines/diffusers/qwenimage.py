@@ -18,6 +18,7 @@ from torch import nn
 
 from splitstage.config.job import ConfigError
 from splitstage.data.buckets import BucketError, Buckets
+from splitstage.pipelines.diffsynth.config import QWEN_IMAGE_LORA_TARGETS
 from splitstage.pipelines.diffusers.base import DTYPES, drop_captions
 from splitstage.pipelines.diffusers.component_export import lora_files
 from splitstage.pipelines.diffusers.components import build_empty
@@ -43,20 +44,7 @@ from splitstage.splitter import Unit
 
 # The source text's Qwen-Image LoRA targets (DiffSynth-Studio's example): both attention streams,
 # the image / text MLP outputs and the modulation layers.
-QWEN_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_out.0",
-    "to_add_out",
-    "img_mlp.net.2",
-    "img_mod.1",
-    "txt_mlp.net.2",
-    "txt_mod.1",
-)
+QWEN_LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS  # one list for both Qwen-Image families
 # The last block's text stream is discarded (only the image tokens go to norm_out / proj_out):
 # modules there get no gradient, so a LoRA on them cannot learn, and DDP refuses unused ones.
 DEAD_IN_LAST_BLOCK = ("attn.to_add_out", "txt_mlp.")
