@@ -15,7 +15,14 @@ from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segm
 from splitstage.splitter import UserError
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.lease import RunLease
-from splitstage.tasks.stage2.outputs import ERROR_FILE, URL_KEYS, options_for, run_paths
+from splitstage.tasks.stage2.outputs import (
+    ERROR_FILE,
+    URL_KEYS,
+    deleted_place,
+    leased_places,
+    options_for,
+    run_paths,
+)
 from splitstage.tasks.stage2.preflight import Preflight, preflight
 from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 
@@ -196,6 +203,8 @@ def train(
                 raise TrainingStoppedError(message) from None
             else:
                 reason = rank_error(run_dir)
+                if reason is None and (gone := deleted_place(paths)):  # error.json went with it
+                    reason = f"the folder {gone} was deleted while training"
                 if reason is None:
                     raise
                 raise TrainingStoppedError(f"training stopped: {reason}") from None
@@ -211,9 +220,6 @@ def hold_leases(
 ) -> list[RunLease]:
     """Hold the run (its output folder, and a checkpoint URL outside it) against a second
     `train` of the same run; losing the lease cancels this one."""
-    keys = ["output_url"]
-    if not paths["checkpoint_url"].startswith(paths["output_url"].rstrip("/") + "/"):
-        keys.append("checkpoint_url")
     return [
         held.enter_context(
             RunLease(
@@ -223,7 +229,7 @@ def hold_leases(
                 on_lost=lambda reason: cancel.set(),
             )
         )
-        for key in keys
+        for key in leased_places(paths)
     ]
 
 

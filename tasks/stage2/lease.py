@@ -44,10 +44,10 @@ from fsspec.asyn import sync
 from splitstage.splitter import UserError
 from splitstage.storage import files as storage
 from splitstage.tasks.stage2 import liveness
+from splitstage.tasks.stage2.outputs import LEASE_NAME
 
 log = logging.getLogger(__name__)
 
-LEASE_NAME = "LEASE.json"
 FORMAT = "splitstage-run-lease/2"  # /2: pid_started in seconds since boot (Linux)
 _FAILED = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}  # condition not met
 

@@ -8,8 +8,9 @@ from typing import Any
 from splitstage.config.job import SplitstageConfig
 from splitstage.storage.files import open_fs
 from splitstage.storage.options import name_block
-from splitstage.storage.urls import scheme_of
+from splitstage.storage.urls import local_path, scheme_of
 
+LEASE_NAME = "LEASE.json"  # in each leased place: who holds the run (tasks/stage2/lease.py)
 ERROR_FILE = "error.json"  # in a run folder: a rank's one-line reason for stopping on bad input
 
 
@@ -50,6 +51,25 @@ def run_paths(config: SplitstageConfig, run_id: str, run_root: str | Path = "run
 
 
 URL_KEYS = ("output_url", "checkpoint_url")  # the run's places, as a report names them
+
+
+def leased_places(paths: dict) -> list[str]:
+    """The run_paths keys a run holds a lease on: its output folder, and a checkpoint URL
+    outside it."""
+    keys = ["output_url"]
+    if not paths["checkpoint_url"].startswith(paths["output_url"].rstrip("/") + "/"):
+        keys.append("checkpoint_url")
+    return keys
+
+
+def deleted_place(paths: dict) -> str | None:
+    """The run's local output or checkpoint folder, if it was deleted while the run wrote to
+    it: its lease file is gone (writers such as TensorBoard's may have made the folder again)."""
+    for key in leased_places(paths):
+        url = paths[key]
+        if scheme_of(url) == "file" and not (Path(local_path(url)) / LEASE_NAME).exists():
+            return url
+    return None
 
 
 def options_for(paths: dict, url_key: str) -> dict[str, Any] | None:

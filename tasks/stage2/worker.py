@@ -15,9 +15,11 @@ import os
 import sys
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.distributed import close_distributed
-from splitstage.tasks.stage2.outputs import ERROR_FILE
+from splitstage.tasks.stage2.outputs import ERROR_FILE, deleted_place
 from splitstage.tasks.stage2.trainer import Trainer
 
 
@@ -47,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         close_distributed(barrier=True)
     except UserError as error:
         report_error(Path(spec["run_dir"]), error)
+        return 2
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        # a write into a folder deleted mid-run: one line, not a traceback
+        gone = deleted_place(spec)
+        if gone is None:
+            raise
+        reason = f"the folder {gone} was deleted while training ({type(error).__name__})"
+        report_error(Path(spec["run_dir"]), UserError(reason))
         return 2
     finally:
         close_distributed()

@@ -113,7 +113,7 @@ def test_a_newer_decoder_or_verify_tries_the_row_again(assets, tmp_path, monkeyp
 
     def decodes(self, row, base):
         if row.image == bad_row:
-            row = dataclasses.replace(row, image=good.relative_to(base).as_posix())
+            row = dataclasses.replace(row, image=good.relative_to(config.data.base_path).as_posix())
         return real(self, row, base)
 
     with monkeypatch.context() as m:

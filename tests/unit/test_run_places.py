@@ -1,0 +1,35 @@
+"""The places a run leases, and how a rank tells that one of them was deleted mid-run."""
+
+from __future__ import annotations
+
+from splitstage.tasks.stage2.outputs import LEASE_NAME, deleted_place, leased_places
+
+
+def paths(output: str, checkpoints: str) -> dict[str, str]:
+    return {"output_url": output, "checkpoint_url": checkpoints}
+
+
+def test_a_checkpoint_url_outside_the_output_folder_is_leased_too(tmp_path):
+    inside = paths(f"{tmp_path}/out/run", f"{tmp_path}/out/run/checkpoints")
+    outside = paths(f"{tmp_path}/out/run", f"{tmp_path}/elsewhere/run")
+    assert leased_places(inside) == ["output_url"]
+    assert leased_places(outside) == ["output_url", "checkpoint_url"]
+    # a sibling whose name starts with the output folder's is outside it
+    assert leased_places(paths(f"{tmp_path}/out/run", f"{tmp_path}/out/run-2")) == [
+        "output_url",
+        "checkpoint_url",
+    ]
+
+
+def test_a_place_is_deleted_when_its_lease_file_is_gone_even_if_the_folder_came_back(tmp_path):
+    run = paths(str(tmp_path / "out"), f"file://{tmp_path}/ckpt")
+    for place in ("out", "ckpt"):
+        (tmp_path / place).mkdir()
+        (tmp_path / place / LEASE_NAME).write_text("{}")
+    assert deleted_place(run) is None
+    (tmp_path / "ckpt" / LEASE_NAME).unlink()  # e.g. rm -rf, then a writer made the folder again
+    assert deleted_place(run) == f"file://{tmp_path}/ckpt"
+
+
+def test_an_object_store_has_no_folder_to_lose():
+    assert deleted_place(paths("s3://bucket/out/run", "s3://bucket/ckpt/run")) is None
