@@ -2,8 +2,9 @@
 metadata file.
 
 The metadata file is `metadata.csv` (header row), `metadata.jsonl` (one JSON object a line) or
-`metadata.parquet`, with an `image` column (path relative to the base) and a `prompt` column;
-any other column is kept as a per-sample field. Bad data raises `DataError` naming the file, the
+`metadata.parquet`, with an `image` or `video` column (path relative to the base; a header may
+have both, each row filling one) and a `prompt` column; any other column is kept as a
+per-sample field. Bad data raises `DataError` naming the file, the
 row as numbered in the file (CSV rows count the header as row 1) and how to fix it. Metadata must
 be UTF-8 (a UTF-8 BOM is fine); bytes that are not, NUL bytes, an empty file, broken CSV quoting
 and repeated columns are file-level errors naming the line; a bad JSONL line (invalid or too
@@ -12,7 +13,7 @@ JSON type) is a row error, so `skip_bad_rows` can skip it (parsers: `data.metada
 Images are found present by ONE listing of the data set (`data.source`), not one stat
 per row, and decode as `splitstage.data.images` documents.
 
-A sample key is a content hash of the image file bytes, the prompt and the extra fields: renaming,
+A sample key is a content hash of the file's bytes, the prompt and the extra fields: renaming,
 moving or reordering files keeps keys (so the stage-1 cache stays valid); editing an image or a
 caption changes them. Processing choices such as the image size belong to the cache key instead.
 """
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 from PIL import Image
 
 from splitstage.data import metadata_files
-from splitstage.data.image_paths import check_image_path, missing_image
+from splitstage.data.image_paths import check_image_path, missing_image, noun
 from splitstage.data.images import (
     DataError,
     center_crop_resize,
@@ -46,8 +47,10 @@ from splitstage.data.videos import FIRST_FRAME, is_video, read_clip
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SAMPLE_KEY_VERSION = "splitstage-sample-v1"
 MAX_LINE_CHARS = 1 << 20  # a JSONL line longer than this is refused, not parsed
+HASH_BLOCK = 8 << 20  # bytes `file_digest` reads at a time (a long video is hashed in pieces)
 SizeRule = Callable[[int, int], tuple[int, int]]  # source (height, width) -> target (h, w)
 _KEY_PREFIX = SAMPLE_KEY_VERSION.encode() + b"\0"
+_NOT_EXTRAS = frozenset(("image", "video", "prompt"))  # a row's file and caption
 _json_text = json.encoder.encode_basestring  # what json.dumps(str, ensure_ascii=False) gives
 
 
@@ -141,17 +144,18 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: s
         raise DataError(
             f"{name} row {line}: more cells than header columns; quote cells that hold commas"
         )
-    if "video" in record and "image" not in record:  # DiffSynth's video rows: the file is a clip
-        record = {("image" if k == "video" else k): v for k, v in record.items()}
     jsonl = name.lower().endswith(".jsonl")
     if jsonl:
         metadata_files.check_columns(list(record), name, f"row {line}")
-    image, prompt = record.get("image"), record.get("prompt")
+    column = _file_column(record, f"{name} row {line}", base)
+    image, prompt = record.get(column), record.get("prompt")
     if image is not None and not isinstance(image, str):
-        raise DataError(f"{name} row {line}: 'image' must be a path string, got {json_kind(image)}")
+        raise DataError(
+            f"{name} row {line}: {column!r} must be a path string, got {json_kind(image)}"
+        )
     if not image or not image.strip():
         raise DataError(
-            f"{name} row {line}: empty 'image' field; give the image path relative to {base}"
+            f"{name} row {line}: empty {column!r} field; give the {column} path relative to {base}"
         )
     if prompt is not None and not isinstance(prompt, str):
         raise DataError(
@@ -159,7 +163,9 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: s
             "in quotes"
         )
     if not prompt or not prompt.strip():
-        raise DataError(f"{name} row {line}: empty 'prompt' for image {image!r}; write a caption")
+        raise DataError(
+            f"{name} row {line}: empty 'prompt' for {noun(image)} {image!r}; write a caption"
+        )
     if jsonl:  # JSON escapes such as "\ud800" decode to no character (UTF-8 text cannot hold one)
         try:
             json.dumps(dict(record), ensure_ascii=False).encode("utf-8")
@@ -168,12 +174,28 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: s
                 f"{name} row {line}: text holds an unpaired surrogate escape "
                 f"({exc.object[exc.start]!r}); fix the \\u escape"
             ) from exc
-    extras = (
-        {k: v for k, v in record.items() if k != "image" and k != "prompt"}
-        if len(record) > 2
-        else {}
-    )
+    extras = {k: v for k, v in record.items() if k not in _NOT_EXTRAS} if len(record) > 2 else {}
     return Row(line=line, image=image, prompt=prompt, extras=extras, source=name)
+
+
+def _file_column(record: Mapping[str, Any], where: str, base: str) -> str:
+    """The column naming the row's file: 'image' or 'video' (a file whose suffix is a video's
+    is a clip either way); a row filling both, or a header with both and a row filling
+    neither, is refused."""
+    given = [c for c in metadata_files.FILE_COLUMNS if c in record]
+    if len(given) < 2:
+        return given[0] if given else "image"
+    filled = [c for c in given if not (record[c] is None or record[c] == "")]
+    if len(filled) == 2:
+        raise DataError(
+            f"{where}: both 'image' ({record['image']!r}) and 'video' ({record['video']!r}) "
+            "are set; a row names one file: keep one, or split it into two rows"
+        )
+    if not filled:
+        raise DataError(
+            f"{where}: neither 'image' nor 'video' is set; give one file path relative to {base}"
+        )
+    return filled[0]
 
 
 def scan_data_set(
@@ -284,6 +306,7 @@ def load_metadata(
 def read_image_bytes(row: Row, base_path: str | Path | DataSource) -> bytes:
     """The image file's bytes; DataError naming the row if it cannot be read or is too big."""
     source = source_for(base_path)
+    what = noun(row.image)
     if source.local:
         path = Path(source.local_root) / row.image
         try:
@@ -293,16 +316,52 @@ def read_image_bytes(row: Row, base_path: str | Path | DataSource) -> bytes:
             if isinstance(exc, DataError):
                 raise
             reason = getattr(exc, "strerror", None) or exc
-            raise DataError(f"{row.where}: cannot read image file {path}: {reason}") from exc
+            raise DataError(f"{row.where}: cannot read {what} file {path}: {reason}") from exc
     shown = source.display(relative_key(row.image))
     try:
         data = source.read(relative_key(row.image))
     except FileNotFoundError:
-        raise DataError(f"{row.where}: cannot read image file {shown}: not found") from None
+        raise DataError(f"{row.where}: cannot read {what} file {shown}: not found") from None
     except Exception as exc:
-        raise source.failure(f"read image file ({row.where})", shown, exc) from None
+        raise source.failure(f"read {what} file ({row.where})", shown, exc) from None
     check_file_size(row.where, shown, len(data))
     return data
+
+
+def file_digest(row: Row, base_path: str | Path | DataSource) -> bytes:
+    """sha256 digest of a row's file read in HASH_BLOCK pieces: a long video is never held
+    whole (on object stores each piece is one ranged read); DataError naming the row."""
+    source = source_for(base_path)
+    what = noun(row.image)
+    if source.local:
+        path = Path(source.local_root) / row.image
+        try:
+            with open(path, "rb") as handle:
+                return _stream_digest(handle)
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise DataError(f"{row.where}: cannot read {what} file {path}: {reason}") from exc
+    rel = relative_key(row.image)
+    shown = source.display(rel)
+    try:
+        with source.fs.open(
+            source.path(rel), "rb", block_size=HASH_BLOCK, cache_type="none"
+        ) as handle:
+            return _stream_digest(handle)
+    except FileNotFoundError:
+        raise DataError(f"{row.where}: cannot read {what} file {shown}: not found") from None
+    except Exception as exc:
+        raise source.failure(f"read {what} file ({row.where})", shown, exc) from None
+
+
+def _stream_digest(handle: Any) -> bytes:
+    """sha256 of a binary file object, read into one reused HASH_BLOCK buffer."""
+    digest = hashlib.sha256()
+    buffer = bytearray(HASH_BLOCK)
+    view = memoryview(buffer)
+    while count := handle.readinto(buffer):
+        digest.update(view[:count])
+    return digest.digest()
 
 
 def decode_image(data: bytes, row: Row, base_path: str | Path | DataSource) -> Image.Image:
@@ -373,10 +432,10 @@ def sample_key(image_bytes: bytes, prompt: str, extras: Mapping[str, Any] | None
 
 
 def row_key(row: Row, base_path: str | Path | DataSource) -> str:
-    """Sample key of one row (reads its image file)."""
-    return sample_key(read_image_bytes(row, base_path), row.prompt, row.extras)
+    """Sample key of one row (hashes its file in pieces: `file_digest`)."""
+    return sample_key_of_digest(file_digest(row, base_path), row.prompt, row.extras)
 
 
 def sample_keys(rows: Iterable[Row], base_path: str | Path | DataSource) -> list[str]:
-    """Sample keys of all rows, in order, reading each image file once."""
+    """Sample keys of all rows, in order, reading each file once (in pieces)."""
     return [row_key(row, base_path) for row in rows]

@@ -1,7 +1,9 @@
 """The data set's usable rows and their sample keys: what both stages agree the data set is.
 
-One listing plus the metadata file find what changed; image bytes are read (and hashed) only for
-files the hash memo (`data.hash_memo`) does not know at their current size and version.
+One listing plus the metadata file find what changed; files are read (and hashed) only when the
+hash memo (`data.hash_memo`) does not know them at their current size and version: files up to
+STREAM_ABOVE bytes whole, in concurrent batches; larger ones (long videos) in pieces, one at a
+time (`dataset.file_digest`), so no file is ever held whole in memory past that size.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from splitstage.data.dataset import (
     MAX_LINE_CHARS,
     DataError,
     Row,
+    file_digest,
     locate_metadata,
     read_image_bytes,
     sample_key_of_digest,
@@ -35,12 +38,15 @@ from splitstage.data.hash_memo import (
     needs_save,
     save_memo,
 )
+from splitstage.data.image_paths import noun
 from splitstage.data.images import check_file_size
 from splitstage.data.source import DataSource, open_data_source
+from splitstage.data.videos import is_video
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 1024  # rows whose images are read in one batch
 PROGRESS_MIN = READ_CHUNK  # images to hash from which a terminal shows a bar
+STREAM_ABOVE = 16 << 20  # files larger than this (listed size) are hashed in pieces
 
 
 @dataclass
@@ -65,26 +71,37 @@ def _read_digests(
     skip: bool,
     shown: Shown | None = None,
 ) -> tuple[dict[str, bytes], list[tuple[int, str]], bool]:
-    """sha256 digests of the images of `todo` (row, listing key), read in batches; the flag
-    says an image read failed (skipped: such a build is not kept as the index memo). `shown`
-    gets the progress."""
+    """sha256 digests of the files of `todo` (row, listing key): small ones read whole in
+    batches, those over STREAM_ABOVE in pieces; the flag says a read failed (skipped: such a
+    build is not kept as the index memo). `shown` gets the progress."""
     digests: dict[str, bytes] = {}
     bad: list[tuple[int, str]] = []
     failed = False
-    ok = []
-    for row, rel in todo:  # refuse a huge file from its listed size, before reading it
+    ok, pieces = [], []
+    for row, rel in todo:  # refuse a huge image from its listed size, before reading it
         try:
-            check_file_size(row.where, source.display(rel), sizes[rel][0])
-            ok.append((row, rel))
+            if not is_video(row.image):  # a video's length is not limited: it is seeked
+                check_file_size(row.where, source.display(rel), sizes[rel][0])
         except DataError as exc:
             if not skip:
                 raise
             bad.append((row.line, str(exc)))
-    with _bar(len(ok), shown) as advance:
+            continue
+        (pieces if sizes[rel][0] > STREAM_ABOVE else ok).append((row, rel))
+    with _bar(len(ok) + len(pieces), shown) as advance:
         for start in range(0, len(ok), READ_CHUNK):
             chunk = ok[start : start + READ_CHUNK]
             failed |= _digest_chunk(source, chunk, skip, digests, bad)
             advance(len(chunk))
+        for row, rel in pieces:
+            try:
+                digests[rel] = file_digest(row, source)
+            except DataError as exc:
+                if not skip:
+                    raise
+                failed = True
+                bad.append((row.line, str(exc)))
+            advance(1)
     return digests, bad, failed
 
 
@@ -106,7 +123,8 @@ def _digest_chunk(source: DataSource, chunk: list, skip: bool, digests: dict, ba
             if isinstance(got, BaseException):
                 failed = True
                 raise _read_error(row, source, rel, got)
-            check_file_size(row.where, source.display(rel), len(got))
+            if not is_video(row.image):
+                check_file_size(row.where, source.display(rel), len(got))
         except DataError as exc:
             if not skip:
                 raise
@@ -147,9 +165,10 @@ def _bar(total: int, shown: Shown | None) -> Iterator[Callable[[int], None]]:
 def _read_error(row: Row, source: DataSource, rel: str, exc: BaseException) -> DataError:
     if isinstance(exc, DataError):
         return exc
+    what = noun(row.image)
     if isinstance(exc, FileNotFoundError):
-        return DataError(f"{row.where}: cannot read image file {source.display(rel)}: not found")
-    return source.failure(f"read image file ({row.where})", source.display(rel), exc)
+        return DataError(f"{row.where}: cannot read {what} file {source.display(rel)}: not found")
+    return source.failure(f"read {what} file ({row.where})", source.display(rel), exc)
 
 
 def index_data_set(

@@ -2,7 +2,9 @@
 the DataError of a bad row) pairs, with file-level problems raised as DataErrors naming the line.
 
 CSV rows count the header as row 1; JSONL rows are file lines; parquet rows count from 1. Text
-must be UTF-8 (a BOM is fine); parquet's 'image' and 'prompt' columns must hold strings.
+must be UTF-8 (a BOM is fine); a file names its samples in an 'image' or a 'video' column (or
+both, one per row: DiffSynth-Studio's video metadata) next to 'prompt'; parquet's 'image',
+'video' and 'prompt' columns must hold strings.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from splitstage.data.images import DataError
 
 REQUIRED_COLUMNS = ("image", "prompt")
+FILE_COLUMNS = ("image", "video")  # a row names its file in one of these (DiffSynth's video rows)
 METADATA_SUFFIXES = (".csv", ".jsonl", ".parquet")
 Records = Iterator[tuple[int, "dict[str, Any] | DataError"]]
 
@@ -46,13 +49,14 @@ def decode_text(data: bytes, name: str, url: str) -> str:
 
 
 def check_columns(columns: Sequence[str], name: str, where: str) -> None:
-    """DataError unless 'image' and 'prompt' are among `columns`."""
-    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    """DataError unless 'prompt' and 'image' or 'video' (or both) are among `columns`."""
+    missing = [] if any(c in columns for c in FILE_COLUMNS) else ["image"]
+    missing += [] if "prompt" in columns else ["prompt"]
     if missing:
         found = ", ".join(repr(c) for c in columns) or "none"
         raise DataError(
             f"{name} {where}: missing column(s) {', '.join(repr(c) for c in missing)}; "
-            f"columns found: {found}. Rename them to 'image' and 'prompt'."
+            f"columns found: {found}. Rename them to 'image' (or 'video') and 'prompt'."
         )
 
 
@@ -161,13 +165,14 @@ def jsonl_records(
         if not isinstance(record, dict):
             kind = json_kind(record)
             record = DataError(
-                f"{where}: expected a JSON object with 'image' and 'prompt', got {kind}"
+                f"{where}: expected a JSON object with 'image' (or 'video') and 'prompt', got {kind}"
             )
         yield line_no, record
 
 
 def parquet_records(data: bytes, name: str, url: str) -> Records:
-    """Records of a parquet file: 'image' and 'prompt' string columns, other columns as extras."""
+    """Records of a parquet file: 'image' and/or 'video' and 'prompt' string columns, other
+    columns as extras."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -186,10 +191,12 @@ def parquet_records(data: bytes, name: str, url: str) -> Records:
             f"{name}: column(s) {', '.join(map(repr, repeated))} appear more than once; "
             "rename or remove the copies"
         )
-    for column in REQUIRED_COLUMNS:
+    for column in (c for c in (*FILE_COLUMNS, "prompt") if c in columns):
         kind = table.schema.field(column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or kind == pa.null()):
-            what = "the image path relative to the base folder" if column == "image" else "text"
+            what = (
+                f"the {column} path relative to the base folder" if column != "prompt" else "text"
+            )
             raise DataError(
                 f"{name}: column {column!r} is {kind}, not strings; store {what} as strings"
             )
