@@ -165,7 +165,8 @@ def jsonl_records(
         if not isinstance(record, dict):
             kind = json_kind(record)
             record = DataError(
-                f"{where}: expected a JSON object with 'image' (or 'video') and 'prompt', got {kind}"
+                f"{where}: expected a JSON object with 'image' (or 'video') and 'prompt', "
+                f"got {kind}"
             )
         yield line_no, record
 
