@@ -1,4 +1,5 @@
-"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image) in Hub layout.
+"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image, Wan 2.1) in
+Hub layout.
 
 `write_tiny_folder(kind, folder)` saves what `XPipeline.save_pretrained(folder)` writes for a real
 checkpoint of that family (model_index.json, one subfolder per component, tokenizers, scheduler
@@ -18,7 +19,8 @@ from typing import Any
 
 KINDS = ("sd", "sd2", "sdxl", "sd3", "flux")  # the CLIP / T5 kinds
 QWEN_KINDS = ("qwenimage",)  # Qwen2.5-VL prompts, a video VAE
-ALL_KINDS = (*KINDS, *QWEN_KINDS)
+VIDEO_KINDS = ("wan",)  # UMT5 prompts, a causal 3D VAE, a video transformer
+ALL_KINDS = (*KINDS, *QWEN_KINDS, *VIDEO_KINDS)
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 512
@@ -144,6 +146,28 @@ def _t5_encoder(d_model: int = 32) -> Any:
         decoder_start_token_id=0,
     )
     return T5EncoderModel(config)
+
+
+def _umt5_encoder(d_model: int = 32) -> Any:
+    """A 2-layer UMT5 encoder (Wan's text encoder: per-layer relative attention bias) over
+    `t5_vocab()`."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=len(t5_vocab()),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return UMT5EncoderModel(config)
 
 
 def _qwen_vl(vocab_size: int, hidden: int = 32) -> Any:
@@ -322,6 +346,54 @@ def _qwen_flow_match() -> Any:
     )
 
 
+def _wan_vae() -> Any:
+    """A tiny AutoencoderKLWan (x8 spatial, x4 temporal, 4 latent channels) whose latents_mean /
+    latents_std are not 0 / 1, so the normalisation is exercised."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.3, -0.2, 0.05, -0.5],
+        latents_std=[1.3, 0.7, 1.8, 1.1],
+    )
+
+
+def _wan_transformer(text_dim: int) -> Any:
+    """A 2-block WanTransformer3DModel (2 heads of 16: RoPE t 8 + h 4 + w 4) on 4 channels."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
+
+
+def _wan_unipc() -> Any:
+    """Wan 2.1's scheduler config: UniPC on flow sigmas shifted by flow_shift 3 (480p)."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(
+        num_train_timesteps=1000,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        solver_order=2,
+        final_sigmas_type="zero",
+    )
+
+
 def _ddpm(prediction_type: str) -> Any:
     """SD 1.5/2.x's training schedule (scaled_linear betas, no sample clipping)."""
     from diffusers import DDPMScheduler
@@ -435,6 +507,18 @@ def _qwenimage_parts() -> tuple[str, Builders, dict[str, Any]]:
     return "QwenImagePipeline", builders, {}
 
 
+def _wan_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """WanPipeline parts (Wan 2.1 text-to-video): UMT5 (32) feeds the video transformer."""
+    builders: Builders = {
+        "transformer": lambda: _wan_transformer(text_dim=32),
+        "vae": _wan_vae,
+        "text_encoder": lambda: _umt5_encoder(32),
+        "tokenizer": t5_tokenizer,
+        "scheduler": _wan_unipc,
+    }
+    return "WanPipeline", builders, {}
+
+
 PARTS = {
     "sd": lambda: _sd_parts(v_prediction=False),
     "sd2": lambda: _sd_parts(v_prediction=True),
@@ -442,6 +526,7 @@ PARTS = {
     "sd3": _sd3_parts,
     "flux": _flux_parts,
     "qwenimage": _qwenimage_parts,
+    "wan": _wan_parts,
 }
 
 

@@ -1,4 +1,4 @@
-"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, qwenimage (torch-free)."""
+"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, qwenimage, wan (no torch)."""
 
 from __future__ import annotations
 
@@ -229,3 +229,42 @@ class QwenImagePipelineConfig(FlowRecipe):
         if self.max_pixels is None:
             return self.resolution
         return max(math.isqrt(self.max_pixels) // self.pixel_multiple * self.pixel_multiple, 64)
+
+
+class WanPipelineConfig(FlowRecipe):
+    """Wan 2.1 text-to-video: UMT5 prompts, a causal 3D VAE normalised per channel, a video
+    transformer, flow matching on the scheduler's shifted sigmas.
+
+    Clips come from `[data.video]` (image rows train as one-frame clips); the frame settings are
+    in the cache key with this group's stage-1 settings."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.wan:WanFamily"
+    name: Literal["wan"] = "wan"
+    resolution: int = setting(
+        480,
+        stage1=True,
+        ge=64,
+        le=8192,
+        description="Frames are center-cropped to this square (or to their [data.buckets] size).",
+    )
+    max_prompt_length: int = setting(
+        512,
+        stage1=True,
+        ge=1,
+        le=1024,
+        description="UMT5 prompt tokens (WanPipeline's max_sequence_length, 512); embeddings are "
+        "cached padded with zeros to it, as the pipeline pads them.",
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "none",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names); "
+        "'none': uniform over the shifted table.",
+    )
+    flow_shift: float | None = setting(
+        None,
+        stage1=False,
+        gt=0,
+        description="Sigma shift of the training timesteps; unset: the scheduler config's "
+        "flow_shift (UniPC) or shift (FlowMatchEuler): 3.0 for 480p, 5.0 for 720p.",
+    )

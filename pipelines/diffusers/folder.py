@@ -22,6 +22,7 @@ PIPELINE_FAMILIES = {  # model_index.json _class_name -> the family that trains 
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "QwenImagePipeline": "qwenimage",
+    "WanPipeline": "wan",
 }
 # Config keys that fix what a component exchanges with the others (latent channels, text widths,
 # conditioning): an override must keep the folder's, since the other components stay.

@@ -22,6 +22,7 @@ BUILTIN_FAMILIES = {
     "sd3": "splitstage.pipelines.diffusers.config:SD3PipelineConfig",
     "flux": "splitstage.pipelines.diffusers.config:FluxPipelineConfig",
     "qwenimage": "splitstage.pipelines.diffusers.config:QwenImagePipelineConfig",
+    "wan": "splitstage.pipelines.diffusers.config:WanPipelineConfig",
     "diffsynth": "splitstage.pipelines.diffsynth.config:DiffSynthPipelineConfig",
 }
 _registered: dict[str, Any] = {}

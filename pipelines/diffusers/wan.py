@@ -1,0 +1,230 @@
+"""Wan 2.1 text-to-video (WanPipeline folders): UMT5 prompt embeddings, a causal 3D VAE normalised
+per channel, WanTransformer3DModel, flow matching on sigmas shifted by the scheduler's shift.
+
+Stage 1 caches the prompt embeddings (zero-padded to max_prompt_length, as the pipeline pads them)
+and each clip's VAE latent distribution ((frames - 1) / 4 + 1 latent frames); every step draws a
+latent, normalises it with latents_mean / latents_std, drops captions, draws noise and a timestep.
+Wan 2.2's two-expert folders (transformer_2, boundary_ratio) and TI2V (expand_timesteps) are
+refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+from torch import nn
+
+from splitstage.config.job import ConfigError
+from splitstage.data.clips import load_clip_sample
+from splitstage.data.dataset import Row
+from splitstage.data.source import DataSource
+from splitstage.data.videos import video_key_settings
+from splitstage.pipelines.diffusers.base import drop_captions
+from splitstage.pipelines.diffusers.lora_export import (
+    DIFFUSERS_WEIGHT_NAME,
+    diffusers_lora_metadata,
+    diffusers_lora_state,
+)
+from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
+from splitstage.pipelines.diffusers.text import split_empty, with_empty
+from splitstage.pipelines.diffusers.wan_latents import (
+    decode_clips,
+    encode_clips,
+    filmstrip,
+    make_normalising_sampler,
+)
+from splitstage.pipelines.diffusers.wan_sampling import wan_sample
+from splitstage.pipelines.diffusers.wan_text import encode_prompts
+from splitstage.pipelines.family import ExportRequest, TrainingStep
+from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.splitter import Unit
+
+# DiffSynth-Studio's Wan LoRA targets (q, k, v, o, ffn.0, ffn.2) by diffusers' module names: both
+# attentions (self and text) and the feed-forward of every block.
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+# diffusers has no _tp_plan for Wan; its attentions normalise q and k over all heads at once
+# (RMSNorm across heads), so a head-sharded q/k would be normalised wrongly. Only the
+# feed-forward is sharded (Megatron-style); attention stays replicated.
+WAN_TP = {"blocks.*.ffn.net.0.proj": "colwise", "blocks.*.ffn.net.2": "rowwise"}
+
+
+class WanFamily(FlowTransformerFamily):
+    """Wan 2.1 text-to-video (WanPipeline folders)."""
+
+    name = "wan"
+    default_guidance = 5.0  # WanPipeline's guidance_scale
+    model_names = ("text_encoder", "vae", "transformer")
+    pipeline_classes = ("WanPipeline",)
+    text_params = ("prompt_embeds",)
+    text_models = ("text_encoder",)
+    denoiser_params = ("prompt_embeds",)
+    default_lora_targets = WAN_LORA_TARGETS
+    tp_plans = {"transformer": WAN_TP}
+
+    # -- units -----------------------------------------------------------------------------------
+    def units(self) -> list[RunnableUnit]:
+        """Prompt encoding, clip VAE encoding, per-step normalised latents, caption dropout."""
+        self.check_version()
+        for key in ("latents_mean", "latents_std", "z_dim"):
+            if key not in self.vae_config:
+                raise ConfigError(
+                    f"pipeline.pretrained: {self.folder.root}/vae/config.json has no {key}; "
+                    "give the AutoencoderKLWan config saved with Wan 2.1"
+                )
+        mean_only = self.config.pipeline.vae_latents == "mean"
+        latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
+        empty = tuple(f"empty_{p}" for p in self.text_params)
+        return [
+            self.text_unit(),
+            RunnableUnit(
+                Unit(
+                    "VAEEncoder",
+                    ("video",),
+                    output_params=latent_params,
+                    onload_model_names=("vae",),
+                ),
+                encode_clips,
+            ),
+            RunnableUnit(
+                Unit(
+                    "LatentSampler", latent_params, output_params=("input_latents",), per_step=True
+                ),
+                make_normalising_sampler(self.vae_config),
+            ),
+            RunnableUnit(
+                Unit(
+                    "CaptionDropout",
+                    self.text_params + empty,
+                    output_params=self.text_params,
+                    per_step=True,
+                ),
+                drop_captions,
+            ),
+        ]
+
+    def check_version(self) -> None:
+        """Wan 2.1 text-to-video only: a Wan 2.2 folder's second expert or per-token timesteps
+        would train wrongly without a word, so they are refused by the field that shows them."""
+        index = self.folder.index
+        where = f"pipeline.pretrained: {self.folder.root}/model_index.json"
+        if self.folder.has("transformer_2") or index.get("boundary_ratio") is not None:
+            raise ConfigError(
+                f"{where} names transformer_2 / boundary_ratio (Wan 2.2's high- and low-noise "
+                "experts); splitstage trains Wan 2.1 text-to-video (one transformer): give a "
+                "Wan 2.1 T2V folder"
+            )
+        if index.get("expand_timesteps"):
+            raise ConfigError(
+                f"{where} sets expand_timesteps (Wan 2.2 TI2V's per-token timesteps), which "
+                "splitstage does not train; give a Wan 2.1 T2V folder"
+            )
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The `[pipeline]` stage-1 settings and the `[data.video]` frame settings (which frames
+        stage 1 decodes changes the cached latents)."""
+        return {**super().stage1_settings(), **video_key_settings(self.config.data.video)}
+
+    def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
+        """Embeddings [B, L, D] of the prompts and of '' (caption dropout)."""
+        encoder = ctx.model("text_encoder", "PromptEncoder")
+        length = self.config.pipeline.max_prompt_length
+        tokenizer = self.tokenizer("text_encoder")
+        embeds = encode_prompts(encoder, tokenizer, with_empty(prompt), length, ctx.device)
+        return split_empty({"prompt_embeds": embeds}, len(prompt))
+
+    # -- data ------------------------------------------------------------------------------------
+    def load_sample(self, row: Row, base_path: str | Path | DataSource) -> dict[str, Any]:
+        """A video row's `[data.video]` clip (an image row: a one-frame clip) as `video`
+        [frames, 3, H, W] in [-1, 1], cropped to the resolution or its bucket, and its prompt."""
+        return load_clip_sample(
+            row, base_path, settings=self.config.data.video, size=self.image_size()
+        )
+
+    @property
+    def vae_scale(self) -> int:
+        """Pixels per latent along a side (WanPipeline's vae_scale_factor_spatial)."""
+        return int(self.vae_config.get("scale_factor_spatial", 8))
+
+    # -- the training step -----------------------------------------------------------------------
+    @property
+    def flow_shift(self) -> float:
+        """pipeline.flow_shift, else the scheduler config's flow_shift (UniPC) or shift."""
+        chosen = self.config.pipeline.flow_shift
+        if chosen is not None:
+            return float(chosen)
+        config = self.scheduler_config
+        return float(config.get("flow_shift") or config.get("shift") or 1.0)
+
+    @cached_property
+    def noise_scheduler(self):
+        """FlowMatchEulerDiscreteScheduler's 1000-step table shifted by flow_shift (the sigmas
+        WanPipeline's scheduler samples along)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        steps = int(self.scheduler_config.get("num_train_timesteps", 1000))
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=steps, shift=self.flow_shift)
+
+    def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
+        """x_t = (1 - sigma) x0 + sigma noise on [B, C, F', h, w] latents, t = 1000 sigma from
+        the shifted table; target noise - x0; the timestep stays float32 (the time embedding
+        is kept in fp32 by diffusers)."""
+        from splitstage.pipelines.diffusers.recipes import flow_draw
+
+        x0 = inputs["input_latents"].to(ctx.device, torch.float32)
+        draw = flow_draw(ctx, x0, self.noise_scheduler)
+        inputs.update(noise=draw["noise"], timestep=draw["timestep"], latents=draw["latents"])
+        dtype = self.denoiser_dtype(ctx)
+        kwargs = {
+            "hidden_states": draw["latents"].to(dtype),
+            "timestep": draw["timestep"],
+            "encoder_hidden_states": inputs["prompt_embeds"].to(ctx.device, dtype),
+        }
+        return TrainingStep((), draw["target"], draw["weight"], kwargs)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def tp_prepare(self, model: nn.Module, tp_degree: int) -> None:
+        """Nothing: only the feed-forward is sharded, the attention heads stay whole."""
+
+    def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
+        """WanPipeline's loop: the folder's scheduler, classifier-free guidance, clips of
+        `[data.video] num_frames` frames."""
+        size = self.sample_size(size)
+        frames = self.config.data.video.num_frames
+        return wan_sample(
+            self,
+            ctx,
+            cond,
+            uncond,
+            generator,
+            steps=steps,
+            guidance=guidance,
+            size=size,
+            frames=frames,
+        )
+
+    def decode_clips(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> clips [B, F, 3, H, W] in [-1, 1]."""
+        return decode_clips(decoder, self.vae_config, latents)
+
+    def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> each clip as a filmstrip image (4 frames from first to last,
+        side by side) in [-1, 1], for the validation grid."""
+        return filmstrip(self.decode_clips(decoder, latents))
+
+    def export_files(
+        self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
+    ) -> dict[str, tuple[str, bytes]]:
+        """A LoRA as diffusers' pytorch_lora_weights.safetensors (WanPipeline.load_lora_weights);
+        no kohya file (musubi-tuner / ComfyUI name Wan's modules by the original checkpoint's
+        names, which this export does not map yet); full weights as the base class writes."""
+        if not request.lora:
+            return super().export_files(model_name, state, request)
+        lora = {key: tensor for key, tensor in state.items() if "lora_" in key}
+        meta = diffusers_lora_metadata(model_name, request.rank, request.alpha, request.targets)
+        weights = save(diffusers_lora_state(lora, model_name), meta)
+        return {model_name: (DIFFUSERS_WEIGHT_NAME, weights)}

@@ -1,0 +1,301 @@
+"""Wan 2.1 through diffusers (`[pipeline] name = "wan"`) on a tiny Hub-style folder with the real
+classes (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, UniPC) and a data set of real
+short video files written with PyAV: the split plan and its cache key, our training loss against
+the diffusers computation for the same noise and timesteps, the sampler against WanPipeline, and
+plan -> preprocess -> torchrun training (split = unsplit) -> an export WanPipeline.load_lora_weights
+reproduces. Run: .venv/bin/pytest -m slow tests/integration/test_wan.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("av")
+
+from splitstage.config.job import ConfigError, config_from_dict  # noqa: E402
+from splitstage.data.dataset import load_metadata  # noqa: E402
+from splitstage.pipelines.draws import Draws  # noqa: E402
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
+from splitstage.tasks.job_plan import make_plan  # noqa: E402
+from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
+from splitstage.tasks.stage1.validation_prompts import encode  # noqa: E402
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from splitstage.tasks.stage2.distributed import DistInfo  # noqa: E402
+from splitstage.tasks.stage2.launch import train  # noqa: E402
+from splitstage.tasks.stage2.models import build_stage2_models  # noqa: E402
+from splitstage.tasks.stage2.parallelize import find_blocks  # noqa: E402
+from splitstage.tiny_diffusers import write_tiny_folder  # noqa: E402
+from tests.helpers.stage2_step import seed_adapters, trained_model  # noqa: E402
+from tests.helpers.video_files import write_video  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+CPU = torch.device("cpu")
+ONE_CPU = DistInfo(0, 0, 1, CPU, "gloo")
+PROMPTS = ["a photo of the digit 3", "a cat"]
+LENGTH = 24  # max_prompt_length: longer than both prompts, so the embeddings are zero-padded
+FRAMES = 5  # 4k+1: two latent frames
+SIDE = 64
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Four short real videos (PyAV, h264) captioned in metadata.jsonl, and the tiny Wan folder."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("wan")
+    rows = []
+    for index in range(4):
+        name = f"clips/clip{index}.mp4"
+        write_video(root / "data" / name, 12 + 3 * index, rate=8 + index)
+        rows.append({"video": name, "prompt": f"clip {index} of moving squares"})
+    lines = "".join(json.dumps(row) + "\n" for row in rows)
+    (root / "data" / "metadata.jsonl").write_text(lines)
+    write_tiny_folder("wan", root / "wan")
+    return root
+
+
+def job(root: Path, name: str, *, pipeline=None, video=None, **train):
+    """A LoRA job (rank 4, alpha 8) on the tiny folder: 64 px, 5-frame clips, fp32."""
+    settings = {"name": "wan", "pretrained": str(root / "wan"), "resolution": SIDE}
+    settings |= {"precision": "fp32", "max_prompt_length": LENGTH} | (pipeline or {})
+    return config_from_dict(
+        {
+            "job": {"name": name, "seed": 3},
+            "pipeline": settings,
+            "trainable": {"lora_base_model": "transformer", "lora_rank": 4, "lora_alpha": 8},
+            "data": {
+                "base_path": str(root / "data"),
+                "video": {"num_frames": FRAMES, "frame_stride": 2} | (video or {}),
+            },
+            "cache": {"url": str(root / "cache"), "shard_samples": 4},
+            "train": {"batch_size": 2, "max_steps": 2, "log_every": 1, "learning_rate": 1e-2}
+            | train,
+            "output": {"url": str(root / "out")},
+        }
+    )
+
+
+def pipeline(root: Path):
+    """WanPipeline from the same folder (offline)."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(root / "wan")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def drawn_step(plan, denoiser, seed: int = 5):
+    """Two clips captioned PROMPTS through stage 1 and the per-step units, then one drawn
+    training step."""
+    family = plan.family
+    base = plan.config.data.base_path
+    batch = collate_samples([family.load_sample(r, base) for r in load_metadata(base)[:2]])
+    batch["prompt"] = list(PROMPTS)
+    frozen = {name: family.build_model(name, CPU) for name in plan.split.models["stage1"]}
+    settings = family.settings()
+    run_units(plan.v2_units, StepContext(frozen, CPU, settings=settings), batch)
+    ctx = StepContext(
+        {family.denoiser: denoiser},
+        CPU,
+        Draws.shared(torch.Generator().manual_seed(seed)),
+        settings,
+    )
+    run_units(plan.v1_units, ctx, batch)
+    return batch, ctx, family.training_step(ctx, batch)
+
+
+def test_the_plan_caches_prompts_and_clip_latents_and_keys_the_frame_settings(root):
+    plan = make_plan(job(root, "plan"))
+    assert list(plan.split.v2) == ["PromptEncoder", "VAEEncoder"]
+    assert list(plan.split.v1) == ["LatentSampler", "CaptionDropout"]  # fresh every step
+    cached = set(plan.split.boundary_params)
+    assert {"prompt_embeds", "empty_prompt_embeds", "latent_mean", "latent_logvar"} <= cached
+    assert sorted(plan.split.models["stage1"]) == ["text_encoder", "vae"]
+    assert plan.split.models["stage2"] == ("transformer",)
+    # frame settings and stage-1 pipeline settings change the cache key; per-step ones do not
+    for changed in (
+        job(root, "plan", video={"num_frames": FRAMES + 4}),
+        job(root, "plan", video={"frame_stride": 1}),
+        job(root, "plan", video={"fps": 4.0, "frame_stride": None}),
+        job(root, "plan", pipeline={"max_prompt_length": LENGTH + 1}),
+    ):
+        assert make_plan(changed).cache_key != plan.cache_key
+    per_step = {"flow_shift": 5.0, "caption_dropout": 0.5, "weighting_scheme": "logit_normal"}
+    assert make_plan(job(root, "plan", pipeline=per_step)).cache_key == plan.cache_key
+    sample = plan.family.load_sample(load_metadata(root / "data")[0], root / "data")
+    assert sample["video"].shape == (FRAMES, 3, SIDE, SIDE)
+
+
+def test_the_training_loss_is_the_diffusers_computation(root):
+    """Same noise and timesteps: WanPipeline's own prompt encoding, its VAE's latents normalised
+    as the pipeline undoes them, sigma from FlowMatchEulerDiscreteScheduler with the folder's
+    flow_shift, target noise - latents, give our loss."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    plan = make_plan(job(root, "loss", pipeline={"vae_latents": "mean"}))
+    family = plan.family
+    pipe = pipeline(root)
+    transformer = pipe.transformer
+    batch, ctx, step = drawn_step(plan, transformer)
+    with torch.no_grad():
+        ours = family.loss(family.denoise(ctx, step), step)
+
+    with torch.no_grad():
+        embeds = pipe._get_t5_prompt_embeds(PROMPTS, max_sequence_length=LENGTH)
+        clips = batch["video"].permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W]
+        z = pipe.vae.encode(clips).latent_dist.mode()
+    assert z.shape == (2, 4, 2, SIDE // 8, SIDE // 8)  # (5 - 1) / 4 + 1 latent frames
+    config = pipe.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
+    model_input = (z - mean) * inv_std
+    assert pipe.scheduler.config.flow_shift == 3.0
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
+    timesteps = batch["timestep"]
+    index = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+    sigmas = scheduler.sigmas[index].view(-1, 1, 1, 1, 1)
+    noise = batch["noise"]
+    noisy = (1.0 - sigmas) * model_input + sigmas * noise
+    with torch.no_grad():
+        pred = transformer(
+            hidden_states=noisy,
+            timestep=timesteps,
+            encoder_hidden_states=embeds,
+            return_dict=False,
+        )[0]
+    loss = torch.mean((pred - (noise - model_input)) ** 2)
+    assert (embeds[1, 8:] == 0).all()  # the shorter prompt's padding is zeros, as cached
+    assert ours.item() == pytest.approx(loss.item(), rel=1e-5)
+
+
+def ours(plan, seed: int) -> torch.Tensor:
+    """Our sampler + clip decoder on the folder's frozen models: clips [B, F, 3, H, W] in [0, 1]."""
+    family = plan.family
+    models = {name: family.build_model(name, CPU) for name in family.prompt_models()}
+    cond, uncond = encode(plan, models, CPU, PROMPTS, ["", ""])
+    models[family.denoiser] = family.build_model(family.denoiser, CPU)
+    ctx = StepContext(models, CPU, settings=family.settings())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        latents = family.sample(
+            ctx, cond, uncond, generator, steps=3, guidance=family.default_guidance
+        )
+        return (family.decode_clips(family.load_decoder(CPU), latents) + 1) / 2
+
+
+def test_the_sampler_matches_the_wan_pipeline(root):
+    plan = make_plan(job(root, "sample"))
+    mine = ours(plan, seed=4)
+    assert mine.shape == (2, FRAMES, 3, SIDE, SIDE)
+    assert not torch.equal(mine, ours(plan, seed=5))
+    generator = torch.Generator().manual_seed(4)
+    noise = torch.randn(2, 4, 2, SIDE // 8, SIDE // 8, generator=generator)
+    theirs = pipeline(root)(
+        prompt=PROMPTS,
+        negative_prompt=["", ""],
+        guidance_scale=plan.family.default_guidance,
+        latents=noise,
+        num_inference_steps=3,
+        height=SIDE,
+        width=SIDE,
+        num_frames=FRAMES,
+        max_sequence_length=LENGTH,
+        output_type="pt",
+    ).frames
+    torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=0)
+
+
+def test_checkpointing_gives_the_same_loss_and_gradients_and_recomputes_each_block(root):
+    """The family's hook (the transformer's own switch) on the real stage-2 build."""
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "input_latents": torch.randn(2, 4, 2, 8, 8, generator=g),
+        "prompt_embeds": torch.randn(2, LENGTH, 32, generator=g),
+    }
+    results = []
+    for on in (False, True):
+        plan, model = trained_model(job(root, "gc", gradient_checkpointing=on))
+        seed_adapters(model)
+        calls: list[nn.Module] = []
+        for block in find_blocks(model):
+            block.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(module))
+        family = plan.family
+        draws = Draws.shared(torch.Generator().manual_seed(1))
+        ctx = StepContext({"transformer": model}, CPU, draws, family.settings())
+        loss = family.training_loss(ctx, dict(inputs))
+        forward = len(calls)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, forward, len(calls)))
+    (loss_off, grads_off, forward_off, total_off), (loss_on, grads_on, forward_on, total_on) = (
+        results
+    )
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=0)
+    assert grads_on.keys() == grads_off.keys() and grads_off
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-7)
+    assert forward_off == forward_on == total_off == 2  # two blocks, once each
+    assert total_on == 2 * forward_on  # recomputed in backward
+
+
+def test_a_wan_22_two_expert_folder_is_refused_by_name(root, tmp_path):
+    """A folder with transformer_2 (Wan 2.2 A14B's low-noise expert) or boundary_ratio is one
+    ConfigError naming the field; so is TI2V's expand_timesteps."""
+    folder = shutil.copytree(root / "wan", tmp_path / "wan22")
+    index = json.loads((folder / "model_index.json").read_text())
+    two = index | {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}
+    shutil.copytree(folder / "transformer", folder / "transformer_2")
+    (folder / "model_index.json").write_text(json.dumps(two))
+    with pytest.raises(ConfigError, match="transformer_2 / boundary_ratio") as error:
+        make_plan(job(root, "w22", pipeline={"pretrained": str(folder)}))
+    assert "\n" not in str(error.value) and "pipeline.pretrained" in str(error.value)
+    (folder / "model_index.json").write_text(json.dumps(index | {"expand_timesteps": True}))
+    with pytest.raises(ConfigError, match="expand_timesteps"):
+        make_plan(job(root, "ti2v", pipeline={"pretrained": str(folder)}))
+
+
+def trained_from_checkpoint(config, report):
+    """The transformer as the run left it: meta build, LoRA, load, its last DCP checkpoint."""
+    plan = make_plan(config)
+    stage2 = build_stage2_models(config, plan, ONE_CPU)
+    step = latest_checkpoint(report.checkpoint_url, clean=False)
+    model = stage2.models["transformer"]
+    load_checkpoint(report.checkpoint_url, step, model, None, restore_rng=False)
+    return plan, model
+
+
+def run(config, root: Path):
+    """Train through the real launcher (torchrun, gloo)."""
+    return train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+
+
+def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_pipeline_loads(
+    root,
+):
+    config = job(root, "split", pipeline={"caption_dropout": 0.5})
+    assert preprocess(config, workers=1, progress=False).computed == 4
+    report = run(config, root)
+    assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
+    assert report.models_loaded == ["transformer"]
+    unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit")
+    assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
+
+    plan, trained = trained_from_checkpoint(config, report)
+    _, ctx, step = drawn_step(plan, trained)
+    with torch.no_grad():
+        expected = plan.family.denoise(ctx, step)
+    pipe = pipeline(root)
+    with torch.no_grad():
+        base = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
+    assert not torch.allclose(base, expected, atol=1e-5)  # the LoRA learned something
+    pipe.load_lora_weights(str(Path(report.outputs["transformer"]).parent))
+    with torch.no_grad():
+        loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
+    torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
