@@ -88,10 +88,11 @@ class DiffSynthPipelineConfig(PipelineConfig):
     torch_dtype: Literal["bf16", "fp32"] = setting(
         "bf16", stage1=True, description="The pipeline's torch_dtype (DiffSynth trains in bf16)."
     )
-    height: int = setting(512, stage1=True, ge=16, description="Images are resized to this.")
-    width: int = setting(512, stage1=True, ge=16, description="Images are resized to this.")
-    num_frames: int = setting(
-        1, stage1=True, ge=1, description="Video pipelines: frames per sample (4k+1)."
+    height: int = setting(
+        512, stage1=True, ge=16, description="Images and video frames are resized to this."
+    )
+    width: int = setting(
+        512, stage1=True, ge=16, description="Images and video frames are resized to this."
     )
     max_timestep_boundary: float = setting(
         1.0, stage1=False, gt=0, le=1, description="FlowMatchSFTLoss: highest timestep share."
@@ -99,6 +100,17 @@ class DiffSynthPipelineConfig(PipelineConfig):
     min_timestep_boundary: float = setting(
         0.0, stage1=False, ge=0, lt=1, description="FlowMatchSFTLoss: lowest timestep share."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _frames_in_data_video(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "num_frames" in values:
+            raise ValueError(
+                "num_frames: a clip's frames are set in [data.video] (num_frames, frame_stride "
+                "or fps, start), one setting for every video family; move it there and remove "
+                "pipeline.num_frames"
+            )
+        return values
 
     @model_validator(mode="after")
     def _known_class_and_files(self) -> DiffSynthPipelineConfig:

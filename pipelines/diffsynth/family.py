@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from splitstage.config.job import ConfigError
+from splitstage.data.clips import clip_frames
 from splitstage.data.dataset import Row, decode_image, read_image_bytes
 from splitstage.data.images import center_crop_resize
+from splitstage.data.videos import video_key_settings
 from splitstage.pipelines.diffsynth.adapter import DEFAULT_STEP_PARAMS, pipeline_from_diffsynth
 from splitstage.pipelines.diffsynth.config import PIPELINES
 from splitstage.pipelines.diffsynth.loader import (
@@ -152,11 +154,18 @@ class DiffSynthFamily(Family):
         }
         return {**BASE_INPUTS, **PIPELINES[self.group.pipeline_class][2], **settings}
 
+    @property
+    def video(self) -> bool:
+        """True for video pipelines (Wan): rows become clips, `input_video`."""
+        return "video" in self.group.pipeline_class.lower()
+
     def stage1_settings(self) -> dict[str, Any]:
-        """The `[pipeline]` settings that change stage-1 outputs, and how images are scaled
-        (DiffSynth's rule, not the diffusers families'): the cache key takes both."""
+        """The `[pipeline]` settings that change stage-1 outputs, how images are scaled
+        (DiffSynth's rule, not the diffusers families') and, for video pipelines, the
+        `[data.video]` frame choice: the cache key takes them all."""
         task = self.config.train.task
-        return {**super().stage1_settings(), "resize": RESIZE} | (
+        frames = video_key_settings(self.config.data.video) if self.video else {}
+        return {**super().stage1_settings(), "resize": RESIZE, **frames} | (
             {} if task == "sft" else {"task": task}  # the cache holds the row's starting noise
         )
 
@@ -180,20 +189,22 @@ class DiffSynthFamily(Family):
 
     # -- data ------------------------------------------------------------------------------------
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
-        """The inputs DiffSynth's train.py builds from a row: the image (a video of num_frames
-        copies for video pipelines) at height x width, the prompt, and the training constants."""
+        """The inputs DiffSynth's train.py builds from a row: the image, or for video pipelines
+        the clip (`input_video`: a video row's `[data.video]` frames, an image row as one
+        frame, as DiffSynth's video loader gives them), each frame scaled by DiffSynth's rule to
+        height x width; the prompt, and the training constants."""
         group = self.group
-        image = decode_image(read_image_bytes(row, base_path), row, base_path)
-        image = center_crop_resize(image, group.height, group.width, RESIZE)
         sample = dict.fromkeys(self.unset_params)  # read, never written: None, as `.get` gives
         sample |= {**self.constants(), "prompt": row.prompt, "negative_prompt": ""}
         sample |= {"height": group.height, "width": group.width}
         if self.config.train.task == "direct_distill":
             sample |= distill_inputs(row)
-        if "video" in group.pipeline_class.lower():
-            sample |= {"input_video": [image] * group.num_frames, "num_frames": group.num_frames}
-        else:
-            sample["input_image"] = image
+        if self.video:
+            frames = clip_frames(row, base_path, self.config.data.video)
+            video = [center_crop_resize(f, group.height, group.width, RESIZE) for f in frames]
+            return sample | {"input_video": video, "num_frames": len(video)}
+        image = decode_image(read_image_bytes(row, base_path), row, base_path)
+        sample["input_image"] = center_crop_resize(image, group.height, group.width, RESIZE)
         return sample
 
     # -- models ----------------------------------------------------------------------------------

@@ -1,14 +1,17 @@
 """Any row as a clip sample for video families: video rows decode their `[data.video]` frames,
-image rows become one-frame clips (as Wan trains on images), both cropped by the same rule."""
+image rows become one-frame clips (as Wan trains on images), both cropped by the same rule;
+or as its uncropped frames (`clip_frames`), for families that crop by their own rule."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from splitstage.data.dataset import Row, SizeRule, load_sample
+from PIL import Image
+
+from splitstage.data.dataset import Row, SizeRule, decode_image, load_sample, read_image_bytes
 from splitstage.data.source import DataSource
-from splitstage.data.videos import FrameSettings, is_video, load_video_sample
+from splitstage.data.videos import FrameSettings, is_video, load_video_sample, read_clip
 
 
 def load_clip_sample(
@@ -25,3 +28,13 @@ def load_clip_sample(
     sample["video"] = sample.pop("image").unsqueeze(0)
     sample["num_frames"] = 1
     return sample
+
+
+def clip_frames(
+    row: Row, base_path: str | Path | DataSource, settings: FrameSettings | None = None
+) -> list[Image.Image]:
+    """A row's frames as upright 8-bit RGB PIL images at the file's size: the `[data.video]`
+    frames of a video row, the one image of an image row (what DiffSynth's video loader gives)."""
+    if is_video(row.image):
+        return read_clip(row, base_path, settings).frames
+    return [decode_image(read_image_bytes(row, base_path), row, base_path)]

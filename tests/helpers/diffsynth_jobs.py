@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from diffsynth.configs.model_configs import MODEL_CONFIGS
 from diffsynth.core import ModelConfig
+from diffsynth.core.loader import hash_model_file
 
 from splitstage.config.job import config_from_dict
 from splitstage.pipelines.diffsynth.loader import pipeline_class
@@ -85,3 +89,20 @@ def output(pipe, name: str, dit=None) -> torch.Tensor:
     with torch.no_grad():
         dit = pipe.dit if dit is None else dit
         return pipe.model_fn(dit, latents=latents, timestep=timestep, **cond).float()
+
+
+@contextlib.contextmanager
+def registered(infos: list[dict]) -> Iterator[None]:
+    """The tiny models of `infos` (write_tiny_models' answers) in DiffSynth's MODEL_CONFIGS
+    (hash computed from each file), taken out again after."""
+    added = []
+    for info in infos:
+        for entry in info["register_models"]:
+            fields = {k: v for k, v in entry.items() if k != "path"}
+            added.append({"model_hash": hash_model_file(entry["path"]), **fields})
+    MODEL_CONFIGS.extend(added)
+    try:
+        yield
+    finally:
+        for entry in added:
+            MODEL_CONFIGS.remove(entry)

@@ -1,0 +1,152 @@
+"""DiffSynth's Wan (WanVideoPipeline) trained split from real video files the test writes with
+PyAV: plan -> preprocess -> train -> export; the first update's loss equals DiffSynth's own
+training step on the same clip (its first `num_frames` frames, decoded here with plain PyAV and
+scaled by DiffSynth's ImageCropAndResize, as its video loader gives them), seed and timestep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from diffsynth.core.data.operators import ImageCropAndResize
+from diffsynth.diffusion.loss import FlowMatchSFTLoss
+from PIL import Image
+
+from splitstage.config.job import ConfigError, config_from_dict
+from splitstage.data.dataset import Row
+from splitstage.data.images import DataError
+from splitstage.data.index import index_data_set
+from splitstage.pipelines.draws import Draws
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.run_records import read_metrics
+from splitstage.tiny_diffsynth import write_tiny_models
+from tests.helpers.diffsynth_jobs import ENV, SEED, fresh, job_document, output, registered
+from tests.helpers.video_files import write_video
+
+WAN = "WanVideoPipeline"
+FRAMES = 5  # 4k+1: two latent frames in Wan's causal VAE
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Tiny Wan models and a data set of two short mp4 clips named in a CSV `video` column."""
+    root = tmp_path_factory.mktemp("wan-video")
+    info = write_tiny_models(WAN, root / WAN)
+    (root / WAN / "info.json").write_text(json.dumps(info))
+    data = root / "data"
+    write_video(data / "clips" / "run.mp4", 12)
+    write_video(data / "clips" / "walk.mp4", 9, rate=8, gop=3)
+    Image.new("RGB", (40, 36), (200, 30, 30)).save(data / "still.png")
+    write_video(data / "short.mp4", 3)
+    rows = "video,prompt\nclips/run.mp4,a square runs\nclips/walk.mp4,a square walks\n"
+    (data / "metadata.csv").write_text(rows)
+    return root
+
+
+def info_of(root: Path) -> dict:
+    return json.loads((root / WAN / "info.json").read_text())
+
+
+def video_document(root: Path, **video) -> dict:
+    """The Wan LoRA job on the clips: [data.video] num_frames = FRAMES unless `video` says."""
+    document = job_document(root, WAN)
+    document["data"]["video"] = {"num_frames": FRAMES, **video}
+    return document
+
+
+def diffsynth_frames(path: Path, count: int) -> list[Image.Image]:
+    """What DiffSynth's LoadVideo gives by default: frames 0..count-1 of the file (decoded here
+    with plain PyAV), each through its ImageCropAndResize at SIZE x SIZE."""
+    resize = ImageCropAndResize(SIZE, SIZE, None, 16, 16)
+    frames = []
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            frames.append(resize(frame.to_image()))
+            if len(frames) == count:
+                break
+    return frames
+
+
+def diffsynth_step(config, info: dict, frames: list[Image.Image], prompt: str, key: str) -> float:
+    """DiffSynth's own training step on a clip as its Wan train.py builds the inputs
+    (input_video, height and width of the frames, num_frames = len), its units through its
+    runner, then FlowMatchSFTLoss with the global RNG seeded as splitstage seeds this sample."""
+    family = make_plan(config).family
+    shared = {**family.constants(), "input_video": frames, "num_frames": len(frames)}
+    shared |= {"height": frames[0].size[1], "width": frames[0].size[0]}
+    inputs = (shared, {"prompt": prompt}, {"negative_prompt": ""})
+    pipe = fresh(WAN, info)
+    with torch.no_grad():
+        for unit in pipe.units:
+            inputs = pipe.unit_runner(unit, pipe, *inputs)
+        torch.manual_seed(int(Draws.per_sample(SEED, [key], epoch=0).randint(2**62, 1)))
+        return float(FlowMatchSFTLoss(pipe, **inputs[0], **inputs[1]))
+
+
+def test_wan_trains_split_on_video_files_as_diffsynth_does(root):
+    """The family's input_video is DiffSynth's clip pixel for pixel; stage 1 caches the clip's
+    latents; the first update's loss is DiffSynth's own step (1e-6); the LoRA loads in it."""
+    config = config_from_dict(video_document(root))
+    family = make_plan(config).family
+    data = index_data_set(config)
+    expected = {}
+    with registered([info_of(root)]):
+        for key, row in zip(data.keys, data.rows, strict=True):
+            frames = diffsynth_frames(root / "data" / row.image, FRAMES)
+            sample = family.load_sample(row, config.data.base_path)
+            assert sample["num_frames"] == FRAMES and len(sample["input_video"]) == FRAMES
+            for ours, theirs in zip(sample["input_video"], frames, strict=True):
+                assert np.array_equal(np.asarray(ours), np.asarray(theirs)), row.image
+            expected[key] = diffsynth_step(config, info_of(root), frames, row.prompt, key)
+        report = preprocess(config, progress=False)
+        assert report.computed == 2
+        lines: list[str] = []
+        result = train(config, run_root=root / "runs", env=ENV, on_line=lines.append)
+        metrics = read_metrics(Path(result.run_dir))
+        first = metrics[0]["loss"]
+        gap = min(abs(first - e) for e in expected.values())
+        assert gap <= 1e-6 * max(1.0, abs(first)), (first, expected)
+        info = info_of(root)
+        before = output(fresh(WAN, info), WAN)
+        pipe = fresh(WAN, info)
+        pipe.load_lora(pipe.dit, str(result.outputs["dit"]))
+        assert not torch.equal(before, output(pipe, WAN))
+
+
+def test_frame_settings_enter_the_cache_key_and_pipeline_num_frames_is_refused(root):
+    """[data.video] is the one source of frames: its settings change the Wan cache key, and
+    the old pipeline.num_frames is one line pointing there."""
+    key = make_plan(config_from_dict(video_document(root))).cache_key
+    assert key == make_plan(config_from_dict(video_document(root))).cache_key
+    assert key != make_plan(config_from_dict(video_document(root, num_frames=9))).cache_key
+    assert key != make_plan(config_from_dict(video_document(root, frame_stride=2))).cache_key
+    assert key != make_plan(config_from_dict(video_document(root, start="uniform"))).cache_key
+    document = video_document(root)
+    document["pipeline"]["num_frames"] = 5
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(document, "job.toml")
+    assert "pipeline" in str(error.value) and "move it there" in str(error.value)
+    assert "[data.video] (num_frames" in str(error.value)
+
+
+def test_an_image_row_is_a_one_frame_clip_and_a_short_video_is_refused_by_row(root):
+    """An image row becomes one frame (DiffSynth's video loader: [image]); a video with fewer
+    frames than [data.video] asks is refused naming the row (or padded with repeat_last)."""
+    config = config_from_dict(video_document(root))
+    family = make_plan(config).family
+    still = family.load_sample(Row(line=4, image="still.png", prompt="red"), root / "data")
+    assert still["num_frames"] == 1 and len(still["input_video"]) == 1
+    assert still["input_video"][0].size == (SIZE, SIZE)
+    short = Row(line=5, image="short.mp4", prompt="short", source="metadata.csv")
+    with pytest.raises(DataError, match=r"^metadata.csv row 5: video file .*short.mp4 gives 3 of"):
+        family.load_sample(short, root / "data")
+    padded = make_plan(config_from_dict(video_document(root, short_clips="repeat_last"))).family
+    frames = padded.load_sample(short, root / "data")["input_video"]
+    assert len(frames) == FRAMES and np.array_equal(np.asarray(frames[2]), np.asarray(frames[4]))
