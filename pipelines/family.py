@@ -336,6 +336,11 @@ class Family:
         """Latents -> images [B, 3, H, W] in [-1, 1]."""
         raise NotImplementedError(f"the {self.name} family has no decoder to sample with")
 
+    def decode_clips(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor | None:
+        """Latents -> clips [B, F, 3, H, W] in [-1, 1] for a video family; None: it samples
+        images (validation then calls `decode`)."""
+        return None
+
     def sample(
         self,
         ctx: StepContext,

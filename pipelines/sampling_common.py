@@ -1,4 +1,4 @@
-"""Sampling helpers every family's sampler shares: guided flow-matching Euler, image grids."""
+"""Sampling helpers every family's sampler shares: guided flow-matching Euler, grids, clips."""
 
 from __future__ import annotations
 
@@ -73,4 +73,29 @@ def grid_png(
         canvas.paste(tile.resize((width, height)), (col * width, top + band))
     buffer = io.BytesIO()
     canvas.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def filmstrip(clips: torch.Tensor, count: int = 4) -> torch.Tensor:
+    """Clips [B, F, 3, H, W] -> images [B, 3, H, count * W]: `count` frames spread from the first
+    to the last, side by side (a clip shown in an image grid)."""
+    frames = clips.shape[1]
+    picked = torch.linspace(0, frames - 1, min(count, frames)).round().long().tolist()
+    return torch.cat([clips[:, index] for index in picked], dim=-1)
+
+
+def clip_webp(clip: torch.Tensor, fps: float = 16.0) -> bytes:
+    """One clip [F, 3, H, W] in [-1, 1] as a looping lossless animated WebP (browsers and the
+    dashboard play it; no video codec needed)."""
+    frames = to_pil(clip)
+    buffer = io.BytesIO()
+    frames[0].save(
+        buffer,
+        format="WEBP",
+        save_all=True,
+        append_images=frames[1:],
+        duration=max(1, round(1000 / fps)),
+        loop=0,
+        lossless=True,
+    )
     return buffer.getvalue()

@@ -35,13 +35,13 @@ from splitstage.pipelines.diffusers.text import split_empty, with_empty
 from splitstage.pipelines.diffusers.wan_latents import (
     decode_clips,
     encode_clips,
-    filmstrip,
     make_normalising_sampler,
 )
 from splitstage.pipelines.diffusers.wan_sampling import wan_sample
 from splitstage.pipelines.diffusers.wan_text import encode_prompts
 from splitstage.pipelines.family import ExportRequest, TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.pipelines.sampling_common import filmstrip
 from splitstage.splitter import Unit
 
 # DiffSynth-Studio's Wan LoRA targets (q, k, v, o, ffn.0, ffn.2) by diffusers' module names: both
@@ -208,7 +208,8 @@ class WanFamily(FlowTransformerFamily):
         )
 
     def decode_clips(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents -> clips [B, F, 3, H, W] in [-1, 1]."""
+        """Normalised latents -> clips [B, F, 3, H, W] in [-1, 1] (validation writes each as an
+        animated WebP)."""
         return decode_clips(decoder, self.vae_config, latents)
 
     def decode(self, decoder: nn.Module, latents: torch.Tensor) -> torch.Tensor:

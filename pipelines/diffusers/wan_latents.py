@@ -66,11 +66,3 @@ def decode_clips(vae: nn.Module, vae_config: dict[str, Any], latents: torch.Tens
     z = latents.float() * std.view(CHANNELS).to(device) + mean.view(CHANNELS).to(device)
     video = vae.decode(z.to(dtype), return_dict=False)[0]
     return video.float().clamp(-1, 1).permute(0, 2, 1, 3, 4)
-
-
-def filmstrip(clips: torch.Tensor, count: int = 4) -> torch.Tensor:
-    """Clips [B, F, 3, H, W] -> images [B, 3, H, count * W]: `count` frames spread from the first
-    to the last, side by side (a clip shown in an image grid)."""
-    frames = clips.shape[1]
-    picked = torch.linspace(0, frames - 1, min(count, frames)).round().long().tolist()
-    return torch.cat([clips[:, index] for index in picked], dim=-1)

@@ -1,16 +1,12 @@
-"""Wan's validation sampler and clip files: WanPipeline's loop (the folder's scheduler, UniPC on
-shifted flow sigmas for Wan 2.1; classifier-free guidance) from the caller's seeded generator, and
-each decoded clip as an animated WebP."""
+"""Wan's validation sampler: WanPipeline's loop (the folder's scheduler, UniPC on shifted flow
+sigmas for Wan 2.1; classifier-free guidance) from the caller's seeded generator."""
 
 from __future__ import annotations
-
-import io
 
 import torch
 
 from splitstage.pipelines.family import input_dtype
 from splitstage.pipelines.runtime import StepContext
-from splitstage.pipelines.sampling_common import to_pil
 
 
 def folder_scheduler(config: dict):
@@ -52,19 +48,3 @@ def wan_sample(
             v = unguided + guidance * (v - unguided)
         x = scheduler.step(v, t, x, return_dict=False)[0]
     return x
-
-
-def clip_webp(clip: torch.Tensor, fps: float = 16.0) -> bytes:
-    """One clip [F, 3, H, W] in [-1, 1] as a looping animated WebP (lossless)."""
-    frames = to_pil(clip)
-    out = io.BytesIO()
-    frames[0].save(
-        out,
-        format="WEBP",
-        save_all=True,
-        append_images=frames[1:],
-        duration=round(1000 / fps),
-        loop=0,
-        lossless=True,
-    )
-    return out.getvalue()

@@ -2,7 +2,8 @@
 
 Every rank samples (a sharded denoiser's forward is collective) from the same seeded noise, so
 1 rank and N ranks draw the same images; rank 0 alone loads the decoder, only while decoding,
-writes a labelled grid under `<output>/samples/` and prints `samples update N: URL` (the flow
+writes a labelled grid under `<output>/samples/` (a video family's clips also as animated WebP
+files beside it, and as 4-frame filmstrips in the grid) and prints `samples update N: URL` (the flow
 publishes it as an artifact). With `validation.sizes` every prompt is drawn at every size (each
 size from the seed afresh, so a size's images do not depend on the others), one grid per size.
 A sampling failure is logged and never stops training.
@@ -21,7 +22,7 @@ from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.config.monitoring import size_label
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
-from splitstage.pipelines.sampling_common import grid_png
+from splitstage.pipelines.sampling_common import clip_webp, filmstrip, grid_png
 from splitstage.storage.files import join, write_atomic
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.validation_prompts import Conditioning, encode, read_validation_prompts
@@ -176,13 +177,30 @@ class Validator:
         try:
             for size, latents in drawn:
                 with torch.no_grad():
-                    images = family.decode(decoder, latents).cpu()
-                url = self.write_grid(update, size, images)
+                    clips = family.decode_clips(decoder, latents)
+                    images = family.decode(decoder, latents) if clips is None else filmstrip(clips)
+                url = self.write_grid(update, size, images.cpu())
+                if clips is not None:
+                    self.write_clips(update, size, clips.cpu())
                 self.grids.setdefault(update, []).append(url)
                 self.samples.setdefault(update, url)
         finally:
             del decoder
         return self.samples[update]
+
+    def write_clips(self, update: int, size: Size | None, clips: torch.Tensor) -> list[str]:
+        """A video family's clips, each an animated WebP beside the grid (`<grid>-NN.webp`, in
+        grid order: prompt-major), at `[data.video] fps` (else 16); their URLs."""
+        fs, root = open_output(self.config, self.output_url)
+        fps = self.config.data.video.fps or 16.0
+        stem = grid_name(update, size).removesuffix(".png")
+        urls = []
+        for index, clip in enumerate(clips):
+            name = f"{stem}-{index:02d}.webp"
+            write_atomic(fs, join(root, SAMPLES_FOLDER, name), clip_webp(clip, fps))
+            urls.append(f"{self.output_url.rstrip('/')}/{SAMPLES_FOLDER}/{name}")
+        self.log(f"sample clips update {update}: {len(urls)} animated WebP, {urls[0]} ...")
+        return urls
 
     def write_grid(self, update: int, size: Size | None, images: torch.Tensor) -> str:
         """Write one size's labelled grid, log its URL, hand it to the trackers; its URL."""

@@ -61,7 +61,7 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def job(root: Path, name: str, *, pipeline=None, video=None, **train):
+def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, **train):
     """A LoRA job (rank 4, alpha 8) on the tiny folder: 64 px, 5-frame clips, fp32."""
     settings = {"name": "wan", "pretrained": str(root / "wan"), "resolution": SIDE}
     settings |= {"precision": "fp32", "max_prompt_length": LENGTH} | (pipeline or {})
@@ -78,6 +78,7 @@ def job(root: Path, name: str, *, pipeline=None, video=None, **train):
             "train": {"batch_size": 2, "max_steps": 2, "log_every": 1, "learning_rate": 1e-2}
             | train,
             "output": {"url": str(root / "out")},
+            "validation": validation or {},
         }
     )
 
@@ -279,11 +280,22 @@ def run(config, root: Path):
 def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_pipeline_loads(
     root,
 ):
-    config = job(root, "split", pipeline={"caption_dropout": 0.5})
+    """Validation at the end writes the grid (a 4-frame filmstrip per clip) and each prompt's
+    5-frame clip as an animated WebP."""
+    from PIL import Image
+
+    validation = {"prompts": PROMPTS, "steps": 2}
+    config = job(root, "split", pipeline={"caption_dropout": 0.5}, validation=validation)
     assert preprocess(config, workers=1, progress=False).computed == 4
     report = run(config, root)
     assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
     assert report.models_loaded == ["transformer"]
+    grid = Path(report.samples["2"])
+    with Image.open(grid) as image:
+        assert image.width == 4 * SIDE  # first .. last frame side by side
+    for index in range(len(PROMPTS)):
+        with Image.open(grid.with_name(f"{grid.stem}-{index:02d}.webp")) as clip:
+            assert clip.is_animated and clip.n_frames == FRAMES and clip.size == (SIDE, SIDE)
     unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit")
     assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
 
