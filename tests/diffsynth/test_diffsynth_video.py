@@ -47,6 +47,14 @@ def root(tmp_path_factory) -> Path:
     write_video(data / "short.mp4", 3)
     rows = "video,prompt\nclips/run.mp4,a square runs\nclips/walk.mp4,a square walks\n"
     (data / "metadata.csv").write_text(rows)
+    mixed = root / "mixed"  # an image row, a clip and a broken clip in one CSV
+    mixed.mkdir()
+    for name in ("still.png", "clips/run.mp4"):
+        (mixed / name).parent.mkdir(exist_ok=True)
+        (mixed / name).write_bytes((data / name).read_bytes())
+    (mixed / "clips" / "cut.mp4").write_bytes((data / "clips" / "walk.mp4").read_bytes()[:300])
+    rows = "image,video,prompt\nstill.png,,red\n,clips/run.mp4,runs\n,clips/cut.mp4,cut\n"
+    (mixed / "metadata.csv").write_text(rows)
     return root
 
 
@@ -150,3 +158,35 @@ def test_an_image_row_is_a_one_frame_clip_and_a_short_video_is_refused_by_row(ro
     padded = make_plan(config_from_dict(video_document(root, short_clips="repeat_last"))).family
     frames = padded.load_sample(short, root / "data")["input_video"]
     assert len(frames) == FRAMES and np.array_equal(np.asarray(frames[2]), np.asarray(frames[4]))
+
+
+def test_a_mixed_data_set_trains_image_rows_as_one_frame_clips(root):
+    """One CSV with `image` and `video` columns: the image row is a one-frame clip, the clip
+    five frames, the broken clip is skipped by row (skip_bad_rows) in stage 1; both shapes are
+    cached and trained one per step; the first update's loss is DiffSynth's step on its row."""
+    document = video_document(root)
+    document["data"] |= {"base_path": str(root / "mixed"), "skip_bad_rows": True}
+    document["cache"]["url"] = str(root / "mixed-cache")
+    config = config_from_dict(document)
+    data = index_data_set(config)
+    resize = ImageCropAndResize(SIZE, SIZE, None, 16, 16)
+    expected = {}
+    with registered([info_of(root)]):
+        for key, row in zip(data.keys, data.rows, strict=True):
+            if row.image == "still.png":  # DiffSynth: LoadImage >> ImageCropAndResize >> ToList
+                frames = [resize(Image.open(root / "mixed" / row.image).convert("RGB"))]
+            elif row.image == "clips/run.mp4":
+                frames = diffsynth_frames(root / "mixed" / row.image, FRAMES)
+            else:
+                continue
+            expected[row.image] = diffsynth_step(config, info_of(root), frames, row.prompt, key)
+        report = preprocess(config, progress=False)
+        assert report.computed == 2 and report.skipped == 1
+        ((line, reason),) = report.skipped_rows
+        assert line == 4 and reason.startswith("metadata.csv row 4: video file ")
+        assert "cut.mp4" in reason
+        lines: list[str] = []
+        result = train(config, run_root=root / "mixed-runs", env=ENV, on_line=lines.append)
+        first = read_metrics(Path(result.run_dir))[0]["loss"]
+        gap = min(abs(first - e) for e in expected.values())
+        assert gap <= 1e-6 * max(1.0, abs(first)), (first, expected)
