@@ -1,10 +1,16 @@
-"""Stage 2 launch: write the run spec, start torchrun (1..N nodes), stream output, report."""
+"""Stage 2 launch: write the run spec, start torchrun (1..N nodes), stream output, report.
+
+This process stays alive for the whole run (leases, torchrun's output, Ctrl-C, errors), so it
+stays lean: the plan and the preflight checks, which import torch and the family and build meta
+models, run once in a short-lived child (`prepare_child`), before any lease is taken.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -13,7 +19,6 @@ from typing import Any
 
 from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segment
 from splitstage.splitter import UserError
-from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.lease import RunLease
 from splitstage.tasks.stage2.outputs import (
     ERROR_FILE,
@@ -21,9 +26,8 @@ from splitstage.tasks.stage2.outputs import (
     deleted_place,
     leased_places,
     options_for,
-    run_paths,
 )
-from splitstage.tasks.stage2.preflight import Preflight, preflight
+from splitstage.tasks.stage2.prepare_child import prepare_in_child
 from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 
 WORKER_MODULE = "splitstage.tasks.stage2.worker"
@@ -74,11 +78,12 @@ def write_spec(
     cache_key: str | None,
     run_dir: Path,
     paths: dict[str, str],
-    checks: Preflight | None = None,
+    checks: Any = None,
     split: dict[str, Any] | None = None,
 ) -> Path:
     """The JSON every rank reads (no pickle): config, cache key, where to write, what to train,
-    and the launcher's split (`split`), which each rank's own plan must equal."""
+    and the launcher's split (`split`), which each rank's own plan must equal. `checks` is a
+    `Preflight` or the set-up child's `Prepared` (settings, and samples that `save` to a path)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_file = None
     if checks is not None and checks.samples is not None:  # compact: 32 bytes a sample key
@@ -168,20 +173,20 @@ def train(
             f"so the node rank is 0..{config.train.nnodes - 1}"
         )
     say = on_line or print
-    plan = make_plan(config)
-    paths = run_paths(config, run_id, run_root or scratch_root(config))
-    checks = preflight(config, plan, paths)
-    for warning in checks.warnings:
-        say(f"warning: {warning}")
-    for note in checks.notes:
-        say(note)
-    cache_key = None if config.train.mode == "unsplit" else plan.cache_key
-    run_dir = Path(paths["run_dir"])
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as held:
+        staging = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="splitstage-run-")))
+        root = run_root or scratch_root(config)
+        prepared = prepare_in_child(config, run_id, root, staging, cancel)
+        for warning in prepared.warnings:
+            say(f"warning: {warning}")
+        for note in prepared.notes:
+            say(note)
+        paths = prepared.paths
+        run_dir = Path(paths["run_dir"])
         leases = [] if node_rank else hold_leases(config, paths, cancel, held)
         spec_path = write_spec(
-            config, run_id, cache_key, run_dir, paths, checks, split=plan.split.to_dict()
+            config, run_id, prepared.cache_key, run_dir, paths, prepared, split=prepared.split
         )
         for name in ("result.json", ERROR_FILE):  # metrics.jsonl is the run's record: kept
             (run_dir / name).unlink(missing_ok=True)

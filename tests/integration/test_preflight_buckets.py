@@ -1,6 +1,6 @@
 """The stage-2 preflight counts batches as stage 2 plans them: within one aspect bucket, with the
 bucket's tail. A cache whose sample count fills enough global batches but whose buckets do not
-is refused by `validate` and `train` in one line, exit 2, before any process starts."""
+is refused by `validate` and `train` in one line, exit 2, before torchrun starts."""
 
 from __future__ import annotations
 
@@ -91,8 +91,12 @@ def test_validate_refuses_buckets_too_small_for_the_accumulation(cached, tmp_pat
 
 
 def test_train_refuses_it_before_launching_torchrun(cached, tmp_path, capsys, monkeypatch):
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a process was launched before the batches were checked")
+    popen = subprocess.Popen.__init__  # the set-up child (plan, preflight) may start, not torchrun
+
+    def no_launch(self, args, *rest, **kwargs):
+        if any("stage2.agent" in str(arg) for arg in args):
+            raise AssertionError("torchrun was launched before the batches were checked")
+        popen(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", no_launch)
     check_one_line(*cli(["train", job(cached, tmp_path, accumulate=5)], capsys), *NEEDLES)

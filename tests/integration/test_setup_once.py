@@ -1,5 +1,7 @@
 """Set-up done once per process: the launcher's preflight builds each meta model once and opens
-the cache once; a rank trains only the split the launcher checked."""
+the cache once; `train` runs that set-up once, in its short-lived child (`prepare`), and the
+launcher none of it (tests/integration/test_launcher_lean.py); a rank trains only the split the
+launcher checked."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from splitstage.splitter import UserError
 from splitstage.tasks import job_plan
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2 import outputs
+from splitstage.tasks.stage2 import prepare as set_up
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.trainer import check_same_split
@@ -48,6 +51,38 @@ def test_preflight_builds_each_meta_model_once_and_opens_the_cache_once(workspac
     assert resolved == [paths["output_url"], paths["checkpoint_url"]]
     assert builds == [("dit", True)]  # the weights check and the LoRA-target check share it
     assert len(opened) == 1  # the cache check and the batch plan read one store
+
+
+def test_the_set_up_child_plans_once_and_checks_once(workspace, monkeypatch, tmp_path):
+    """What the child runs (`prepare`): one plan, one meta build, one cache, one resolve each."""
+    plans, builds, opened, resolved = [], [], [], []
+    make = set_up.make_plan
+
+    def counted_plan(config):
+        plan = make(config)
+        plans.append(plan)
+        build = plan.family.build_model
+
+        def counted_build(name, device, meta=False):
+            builds.append((name, meta))
+            return build(name, device, meta=meta)
+
+        monkeypatch.setattr(plan.family, "build_model", counted_build)
+        return plan
+
+    monkeypatch.setattr(set_up, "make_plan", counted_plan)
+    open_cache = job_plan.open_cache
+    monkeypatch.setattr(
+        job_plan, "open_cache", lambda *a, **k: opened.append(1) or open_cache(*a, **k)
+    )
+    options = outputs.output_storage_options
+    monkeypatch.setattr(
+        outputs, "output_storage_options", lambda *a: resolved.append(a[1]) or options(*a)
+    )
+    prepared = set_up.prepare(tiny_config(workspace, "child", 0), "child", tmp_path, tmp_path)
+    paths = prepared["paths"]
+    assert len(plans) == 1 and builds == [("dit", True)] and len(opened) == 1
+    assert resolved == [paths["output_url"], paths["checkpoint_url"]]
 
 
 def test_a_rank_refuses_a_split_other_than_the_launchers(workspace):

@@ -1,0 +1,92 @@
+"""Stage-2 set-up in a short-lived process: the plan, the preflight checks and the samples file,
+so that the launcher, which stays alive beside torchrun for the whole run, never imports torch or a
+family nor builds a model.
+
+    python -m splitstage.tasks.stage2.prepare REQUEST.json REPLY.json
+
+REQUEST holds the job config (as the run spec holds it), the run id and the run root; REPLY gets
+what the launcher needs to hold the run's leases and write its spec (`prepare`), or the error that
+stopped it (`error_reply`): a `UserError` as its message and class names (the launcher raises it
+again, one line), an OSError as its errno, anything else as its traceback.
+`tasks/stage2/prepare_child.py` starts this process and reads the reply.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from splitstage.config.job import SplitstageConfig, config_from_dict
+from splitstage.splitter import UserError
+from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage2.outputs import run_paths
+from splitstage.tasks.stage2.preflight import preflight
+
+SAMPLES_FILE = "samples.safetensors"  # staged here; the launcher moves it into the run folder
+
+
+def prepare(
+    config: SplitstageConfig, run_id: str, run_root: str | Path, staging: Path
+) -> dict[str, Any]:
+    """Plan, resolve the run's places and check everything before launch (each once); the keys
+    to train on, when they are not the cache's manifest, are written into `staging`."""
+    plan = make_plan(config)
+    paths = run_paths(config, run_id, run_root)
+    checks = preflight(config, plan, paths)
+    samples_file = None
+    if checks.samples is not None:  # compact: 32 bytes a sample key
+        samples_file = str(staging / SAMPLES_FILE)
+        checks.samples.save(samples_file)
+    return {
+        "paths": paths,
+        "warnings": list(checks.warnings),
+        "notes": list(checks.notes),
+        "cache_key": None if config.train.mode == "unsplit" else plan.cache_key,
+        "split": plan.split.to_dict(),
+        "settings": checks.settings,
+        "samples_file": samples_file,
+    }
+
+
+def error_reply(error: BaseException) -> dict[str, Any]:
+    """What the launcher needs to raise `error` again: bad input as its message and the names of
+    its classes, an OSError as its errno and path, a bug as its traceback."""
+    text = "".join(traceback.format_exception(error))
+    if isinstance(error, UserError):
+        classes = [[cls.__module__, cls.__qualname__] for cls in type(error).__mro__]
+        return {"kind": "user", "message": str(error), "classes": classes}
+    if isinstance(error, OSError) and error.errno is not None:
+        filename = None if error.filename is None else str(error.filename)
+        return {
+            "kind": "os",
+            "errno": error.errno,
+            "strerror": error.strerror,
+            "filename": filename,
+            "traceback": text,
+        }
+    return {"kind": "bug", "traceback": text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare the run REQUEST describes; write the reply (or the error) to REPLY."""
+    request_path, reply_path = sys.argv[1:] if argv is None else argv
+    request = json.loads(Path(request_path).read_text())
+    code = 0
+    try:
+        config = config_from_dict(request["config"])
+        staging = Path(reply_path).parent
+        reply = {"prepared": prepare(config, request["run_id"], request["run_root"], staging)}
+    except Exception as error:
+        reply = {"error": error_reply(error)}
+        code = 1 if reply["error"]["kind"] == "bug" else 2
+    partial = Path(f"{reply_path}.partial")  # the launcher reads a whole reply or none
+    partial.write_text(json.dumps(reply))
+    partial.replace(reply_path)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
