@@ -2,8 +2,9 @@
 classes (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, UniPC) and a data set of real
 short video files written with PyAV: the split plan and its cache key, our training loss against
 the diffusers computation for the same noise and timesteps, the sampler against WanPipeline, and
-plan -> preprocess -> torchrun training (split = unsplit) -> an export WanPipeline.load_lora_weights
-reproduces. Run: .venv/bin/pytest -m slow tests/integration/test_wan.py
+plan -> preprocess -> torchrun training (split on 2 TP ranks = unsplit on 1) -> an export
+WanPipeline.load_lora_weights reproduces, with validation clips written as animated WebP.
+Run: .venv/bin/pytest -m slow tests/integration/test_wan.py
 """
 
 from __future__ import annotations
@@ -280,12 +281,22 @@ def run(config, root: Path):
 def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_pipeline_loads(
     root,
 ):
-    """Validation at the end writes the grid (a 4-frame filmstrip per clip) and each prompt's
-    5-frame clip as an animated WebP."""
+    """The split run is 2 ranks of tensor parallelism (the family's feed-forward plan) against an
+    unsplit single rank, so one pair of runs checks split = unsplit and TP = 1 rank; validation
+    at the end writes the grid (a 4-frame filmstrip per clip) and each prompt's 5-frame clip as
+    an animated WebP; the DCP checkpoint reloads on one rank for the export check."""
     from PIL import Image
 
     validation = {"prompts": PROMPTS, "steps": 2}
-    config = job(root, "split", pipeline={"caption_dropout": 0.5}, validation=validation)
+    config = job(
+        root,
+        "split",
+        pipeline={"caption_dropout": 0.5},
+        validation=validation,
+        parallelism="tp",
+        nproc_per_node=2,
+        tp_degree=2,
+    )
     assert preprocess(config, workers=1, progress=False).computed == 4
     report = run(config, root)
     assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
@@ -299,7 +310,8 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
     unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit")
     assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
 
-    plan, trained = trained_from_checkpoint(config, report)
+    one_rank = job(root, "split", pipeline={"caption_dropout": 0.5}, validation=validation)
+    plan, trained = trained_from_checkpoint(one_rank, report)
     _, ctx, step = drawn_step(plan, trained)
     with torch.no_grad():
         expected = plan.family.denoise(ctx, step)
