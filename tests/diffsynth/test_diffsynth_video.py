@@ -1,7 +1,8 @@
 """DiffSynth's Wan (WanVideoPipeline) trained split from real video files the test writes with
-PyAV: plan -> preprocess -> train -> export; the first update's loss equals DiffSynth's own
-training step on the same clip (its first `num_frames` frames, decoded here with plain PyAV and
-scaled by DiffSynth's ImageCropAndResize, as its video loader gives them), seed and timestep."""
+PyAV: plan -> preprocess -> train -> export, and split = unsplit; the first update's loss
+equals DiffSynth's own training step on the same clip (its first `num_frames` frames, decoded
+here with plain PyAV and scaled by DiffSynth's ImageCropAndResize, as its video loader gives
+them), seed and timestep."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def diffsynth_step(config, info: dict, frames: list[Image.Image], prompt: str, k
 
 def test_wan_trains_split_on_video_files_as_diffsynth_does(root):
     """The family's input_video is DiffSynth's clip pixel for pixel; stage 1 caches the clip's
-    latents; the first update's loss is DiffSynth's own step (1e-6); the LoRA loads in it."""
+    latents; the first update's loss is DiffSynth's own step (1e-6); unsplit training (every
+    unit every step, decoding the videos) gives the same losses; the LoRA loads in DiffSynth."""
     config = config_from_dict(video_document(root))
     family = make_plan(config).family
     data = index_data_set(config)
@@ -121,6 +123,14 @@ def test_wan_trains_split_on_video_files_as_diffsynth_does(root):
         first = metrics[0]["loss"]
         gap = min(abs(first - e) for e in expected.values())
         assert gap <= 1e-6 * max(1.0, abs(first)), (first, expected)
+        unsplit = video_document(root)
+        unsplit["train"]["mode"] = "unsplit"  # every unit every step, from the video files
+        unsplit["output"]["url"] = str(root / "out-unsplit")
+        again = train(
+            config_from_dict(unsplit), run_root=root / "runs", env=ENV, on_line=lines.append
+        )
+        reference = [m["loss"] for m in read_metrics(Path(again.run_dir))]
+        assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=1e-6, abs=1e-7)
         info = info_of(root)
         before = output(fresh(WAN, info), WAN)
         pipe = fresh(WAN, info)
@@ -167,6 +177,7 @@ def test_a_mixed_data_set_trains_image_rows_as_one_frame_clips(root):
     document = video_document(root)
     document["data"] |= {"base_path": str(root / "mixed"), "skip_bad_rows": True}
     document["cache"]["url"] = str(root / "mixed-cache")
+    document["output"]["url"] = str(root / "mixed-out")
     config = config_from_dict(document)
     data = index_data_set(config)
     resize = ImageCropAndResize(SIZE, SIZE, None, 16, 16)
