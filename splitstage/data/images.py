@@ -41,12 +41,15 @@ import re
 import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from splitstage.splitter import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DECODE_VERSION = "splitstage-decode-v3"  # bump when the pixels a file decodes to change
 MAX_IMAGE_FILE_BYTES = 1 << 30  # 1 GiB: far above any image within the pixel limit
@@ -277,6 +280,8 @@ def image_to_tensor(img: Image.Image) -> torch.Tensor:
     x in [0, 1] -> 2x - 1 (clipped), replicated to 3 channels. Any other
     mode is first normalized as open_image does (alpha onto white, 16-bit scaled, ...).
     """
+    import torch  # the one use here: reading and checking image files needs no torch
+
     if img.mode not in ("RGB", "F"):
         img = normalize(img)
     if img.mode == "F":
