@@ -15,6 +15,7 @@ import numpy as np
 from splitstage.config.job import SplitstageConfig
 from splitstage.data.index import index_data_set
 from splitstage.data.source import open_data_source
+from splitstage.data.videos import is_video
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import collate_samples
 from splitstage.tasks.cache.batch_plan import EpochPlan, Position, group_members, plan_epoch
@@ -153,14 +154,19 @@ class RawBatches(PlannedBatches):
         data = index_data_set(config)
         self.rows = dict(zip(data.keys, data.rows))
         self.keys = sorted(self.rows)
-        self.groups = self._shape_groups() if family.buckets else np.zeros(len(self.keys), int)
+        # image rows mixed with video rows are one-frame clips beside longer ones: other shapes
+        mixed = len({is_video(row.image) for row in data.rows}) > 1
+        shaped = family.buckets or mixed
+        self.groups = self._shape_groups() if shaped else np.zeros(len(self.keys), int)
 
     def _shape_groups(self) -> np.ndarray:
-        """Group of each key by the decoded sample's image size (as the cache groups by shape)."""
+        """Group of each key by the decoded sample's size and frame count (as the cache groups
+        by shape)."""
         base, sizes, out = self.data_source, {}, []
         for key in self.keys:
             sample = self.family.load_sample(self.rows[key], base)
-            out.append(sizes.setdefault((sample["height"], sample["width"]), len(sizes)))
+            shape = (sample["height"], sample["width"], sample.get("num_frames", 1))
+            out.append(sizes.setdefault(shape, len(sizes)))
         return np.asarray(out, dtype=np.int64)
 
     def group_labels(self) -> dict[str, int]:

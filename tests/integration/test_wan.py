@@ -48,7 +48,10 @@ SIDE = 64
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    """Four short real videos (PyAV, h264) captioned in metadata.jsonl, and the tiny Wan folder."""
+    """Four short real videos (PyAV, h264) and two images (one-frame clips) captioned in
+    metadata.jsonl, and the tiny Wan folder."""
+    from PIL import Image
+
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("wan")
     rows = []
@@ -56,6 +59,10 @@ def root(tmp_path_factory) -> Path:
         name = f"clips/clip{index}.mp4"
         write_video(root / "data" / name, 12 + 3 * index, rate=8 + index)
         rows.append({"video": name, "prompt": f"clip {index} of moving squares"})
+    for index in range(2):
+        pixels = torch.rand(48, 64, 3, generator=torch.Generator().manual_seed(index))
+        Image.fromarray((pixels * 255).byte().numpy()).save(root / "data" / f"still{index}.png")
+        rows.append({"image": f"still{index}.png", "prompt": f"a still {index}"})
     lines = "".join(json.dumps(row) + "\n" for row in rows)
     (root / "data" / "metadata.jsonl").write_text(lines)
     write_tiny_folder("wan", root / "wan")
@@ -281,7 +288,8 @@ def run(config, root: Path):
 def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_pipeline_loads(
     root,
 ):
-    """The split run is 2 ranks of tensor parallelism (the family's feed-forward plan) against an
+    """Videos and images mixed (batches of one frame count each, in both modes); the split run
+    is 2 ranks of tensor parallelism (the family's feed-forward plan) against an
     unsplit single rank, so one pair of runs checks split = unsplit and TP = 1 rank; validation
     at the end writes the grid (a 4-frame filmstrip per clip) and each prompt's 5-frame clip as
     an animated WebP; the DCP checkpoint reloads on one rank for the export check."""
@@ -296,21 +304,24 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
         parallelism="tp",
         nproc_per_node=2,
         tp_degree=2,
+        max_steps=3,
     )
-    assert preprocess(config, workers=1, progress=False).computed == 4
+    assert preprocess(config, workers=1, progress=False).computed == 6
     report = run(config, root)
-    assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
+    assert report.updates == 3 and all(math.isfinite(loss) for loss in report.losses)
     assert report.models_loaded == ["transformer"]
-    grid = Path(report.samples["2"])
+    grid = Path(report.samples["3"])
     with Image.open(grid) as image:
         assert image.width == 4 * SIDE  # first .. last frame side by side
     for index in range(len(PROMPTS)):
         with Image.open(grid.with_name(f"{grid.stem}-{index:02d}.webp")) as clip:
             assert clip.is_animated and clip.n_frames == FRAMES and clip.size == (SIDE, SIDE)
-    unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit")
+    unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit", max_steps=3)
     assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
 
-    one_rank = job(root, "split", pipeline={"caption_dropout": 0.5}, validation=validation)
+    one_rank = job(
+        root, "split", pipeline={"caption_dropout": 0.5}, validation=validation, max_steps=3
+    )
     plan, trained = trained_from_checkpoint(one_rank, report)
     _, ctx, step = drawn_step(plan, trained)
     with torch.no_grad():
