@@ -9,10 +9,13 @@ on PYTHONPATH, then this working tree), on the same files: `splitstage validate`
 `splitstage preprocess`, then `splitstage train` (1 rank, --steps updates, one update a line):
 launch to the first update (the rank's `update 1/` line reaching the launcher), wall time, the
 fixed cost (wall minus the updates' own seconds from the report) and the peak resident memory of
-the launcher, torchrun's agent and the rank, each polled every 50 ms (psutil). The trees alternate
---repeats times and each figure keeps its minimum (a shared box slows runs at random). Prints one
-row per (family, tree) and the ratios this tree / base. Every command is the real CLI in a fresh
-process.
+the launcher (the process that stays alive for the run), its short-lived set-up child (plan and
+preflight, where the tree has one), torchrun's agent and the rank, each polled every 50 ms
+(psutil), and their peak unique memory (USS: pages no other process shares; torch's libraries
+count in every RSS), polled every 0.5 s. The trees alternate --repeats times and each figure keeps
+its minimum (a shared box slows runs at random). Prints one row per (family, tree), the ratios
+this tree / base, and each tree's launcher and agent against its rank. Every command is the real
+CLI in a fresh process.
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ def toml(document: dict, prefix: str = "", header: str | None = None) -> str:
 
 
 def role(proc: psutil.Process, launcher: int) -> str:
-    """launcher, agent (torchrun) or rank, by pid and command line."""
+    """launcher, set-up (its plan-and-preflight child), agent (torchrun) or rank, by pid and
+    command line."""
     if proc.pid == launcher:
         return "launcher"
     try:
@@ -140,13 +144,15 @@ def role(proc: psutil.Process, launcher: int) -> str:
         return "agent"
     if "splitstage.tasks.stage2.worker" in line:
         return "rank"
+    if "splitstage.tasks.stage2.prepare" in line:
+        return "set-up"
     return "other"
 
 
 def run(command: list[str], env: dict[str, str], cwd: Path, mark: str | None = None) -> dict:
     """Run a command to the end in `cwd` (never the checkout: `python -c` puts the working folder
     first on sys.path, which would shadow the base tree): wall seconds, stdout, when `mark` first
-    appeared, and the peak RSS (MB) of each role in its process tree."""
+    appeared, the peak RSS (MB) of each role in its process tree, and its peak USS (MB)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
@@ -163,26 +169,34 @@ def run(command: list[str], env: dict[str, str], cwd: Path, mark: str | None = N
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     peaks: dict[str, float] = {}
+    unique: dict[str, float] = {}
     root = psutil.Process(proc.pid)
+    next_uss = 0.0
     while proc.poll() is None:
         try:
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             procs = []
+        now = time.perf_counter()
         for child in procs:
+            name = role(child, proc.pid)
             try:
                 rss = child.memory_info().rss / 2**20
+                uss = child.memory_full_info().uss / 2**20 if now >= next_uss else 0.0
             except psutil.Error:
                 continue
-            name = role(child, proc.pid)
             peaks[name] = max(peaks.get(name, 0.0), rss)
+            unique[name] = max(unique.get(name, 0.0), uss)
+        if now >= next_uss:  # smaps of a torch process takes ~10-50 ms to read
+            next_uss = now + 0.5
         time.sleep(0.05)
     reader.join()
     wall = time.perf_counter() - start
     text = "".join(lines)
     if proc.returncode:
         raise SystemExit(f"{' '.join(command[-3:])} failed ({proc.returncode}):\n{text[-3000:]}")
-    return {"wall": wall, "out": text, "first": first[0] if first else None, "peaks": peaks}
+    first_s = first[0] if first else None
+    return {"wall": wall, "out": text, "first": first_s, "peaks": peaks, "uss": unique}
 
 
 def measure(python: str, tree: Path | None, job: dict, work: Path, steps: int) -> dict:
@@ -222,8 +236,12 @@ def measure(python: str, tree: Path | None, job: dict, work: Path, steps: int) -
         "fixed_s": trained["wall"] - loop,
         "loop_s": loop,
         "launcher_mb": trained["peaks"].get("launcher", 0.0),
+        "setup_mb": trained["peaks"].get("set-up", 0.0),
         "agent_mb": trained["peaks"].get("agent", 0.0),
         "rank_mb": trained["peaks"].get("rank", 0.0),
+        "launcher_uss": trained["uss"].get("launcher", 0.0),
+        "agent_uss": trained["uss"].get("agent", 0.0),
+        "rank_uss": trained["uss"].get("rank", 0.0),
         "rank_diffsynth_loads": len(re.findall("Loading models from", trained["out"])),
         "updates": report.get("updates"),
     }
@@ -237,6 +255,10 @@ COLUMNS = [
     ("launcher_mb", "launcher MB", "{:.0f}"),
     ("agent_mb", "agent MB", "{:.0f}"),
     ("rank_mb", "rank MB", "{:.0f}"),
+    ("setup_mb", "set-up MB", "{:.0f}"),
+    ("launcher_uss", "launcher USS", "{:.0f}"),
+    ("agent_uss", "agent USS", "{:.0f}"),
+    ("rank_uss", "rank USS", "{:.0f}"),
     ("rank_diffsynth_loads", "DiffSynth loads (rank)", "{}"),
     ("validate_loaded", "DiffSynth loads (validate)", "{}"),
 ]
@@ -283,9 +305,24 @@ def main() -> None:
             for key, title, _ in COLUMNS[:7]
             if before[key] and this[key] is not None
         ]
-        launcher = this["launcher_mb"] + this["agent_mb"]
-        share = launcher / this["rank_mb"] if this["rank_mb"] else float("nan")
-        print(f"{family}: {', '.join(ratios)}; launcher+agent / rank {share:.2f}")
+        print(f"{family}: {', '.join(ratios)}")
+    print("\nlauncher and agent against the rank (goal: launcher + agent <= 0.15 of the rank)")
+    for (family, label), row in results.items():
+        print(f"{family} {label}: {against_rank(row)}")
+
+
+def against_rank(row: dict) -> str:
+    """The launcher's and the agent's peaks as shares of the rank's, in RSS and in USS."""
+    parts = []
+    for unit, suffix in (("RSS", "mb"), ("USS", "uss")):
+        rank = row[f"rank_{suffix}"]
+        if not rank:
+            continue
+        launcher, agent = row[f"launcher_{suffix}"] / rank, row[f"agent_{suffix}"] / rank
+        parts.append(
+            f"{unit}: launcher {launcher:.2f}, agent {agent:.2f}, both {launcher + agent:.2f}"
+        )
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -115,6 +117,55 @@ def test_cancelling_during_set_up_ends_the_child(workspace):
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     assert not (workspace / "runs/cancelled/spec.json").exists()
+
+
+def set_up_child(launcher: subprocess.Popen) -> psutil.Process:
+    """The launcher's set-up child, once it has started (it runs for seconds: torch, the plan)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for proc in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if "splitstage.tasks.stage2.prepare" in " ".join(proc.cmdline()):
+                    return proc
+            except psutil.Error:
+                continue
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.05)
+    raise AssertionError("no set-up child started")
+
+
+def gone(proc: psutil.Process, seconds: float = 20) -> bool:
+    """Whether `proc` ended (or is a zombie) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_ctrl_c_or_a_killed_launcher_during_set_up_ends_the_child(workspace, sig):
+    env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
+    path = job_file(workspace, f"stopped-{sig.name}")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "splitstage.cli", "train", str(path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    child = set_up_child(launcher)
+    os.kill(launcher.pid, sig)  # Ctrl-C reaches the launcher only: the child has its session
+    out, err = launcher.communicate(timeout=60)
+    assert gone(child), child
+    if sig == signal.SIGINT:
+        assert launcher.returncode == 130, err
+        assert err.strip().splitlines()[-1] == "splitstage: interrupted" and "Traceback" not in err
+    assert not list(workspace.rglob(f"stopped-{sig.name}/spec.json"))
 
 
 def test_the_set_up_the_child_runs_reads_no_weights(workspace, tmp_path):
