@@ -1,5 +1,5 @@
-"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image, Wan 2.1) in
-Hub layout.
+"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image, Wan 2.1, Wan
+2.2 A14B's two experts) in Hub layout.
 
 `write_tiny_folder(kind, folder)` saves what `XPipeline.save_pretrained(folder)` writes for a real
 checkpoint of that family (model_index.json, one subfolder per component, tokenizers, scheduler
@@ -19,7 +19,7 @@ from typing import Any
 
 KINDS = ("sd", "sd2", "sdxl", "sd3", "flux")  # the CLIP / T5 kinds
 QWEN_KINDS = ("qwenimage",)  # Qwen2.5-VL prompts, a video VAE
-VIDEO_KINDS = ("wan",)  # UMT5 prompts, a causal 3D VAE, a video transformer
+VIDEO_KINDS = ("wan", "wan22")  # UMT5 prompts, a causal 3D VAE, video transformer(s)
 ALL_KINDS = (*KINDS, *QWEN_KINDS, *VIDEO_KINDS)
 
 CLIP_MAX_LENGTH = 77
@@ -519,6 +519,25 @@ def _wan_parts() -> tuple[str, Builders, dict[str, Any]]:
     return "WanPipeline", builders, {}
 
 
+def _other_expert(model: Any) -> Any:
+    """A second expert unlike the first (both are built from the same seed): every weight moved
+    by seeded noise, as Wan 2.2's low-noise expert differs from its high-noise one."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
+def _wan22_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """WanPipeline parts of Wan 2.2 A14B's layout: a high-noise `transformer`, a low-noise
+    `transformer_2`, switched at boundary_ratio 0.875 of the timesteps."""
+    _, builders, _ = _wan_parts()
+    builders["transformer_2"] = lambda: _other_expert(_wan_transformer(text_dim=32))
+    return "WanPipeline", builders, {"boundary_ratio": 0.875}
+
+
 PARTS = {
     "sd": lambda: _sd_parts(v_prediction=False),
     "sd2": lambda: _sd_parts(v_prediction=True),
@@ -527,6 +546,7 @@ PARTS = {
     "flux": _flux_parts,
     "qwenimage": _qwenimage_parts,
     "wan": _wan_parts,
+    "wan22": _wan22_parts,
 }
 
 

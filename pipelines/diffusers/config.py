@@ -232,8 +232,8 @@ class QwenImagePipelineConfig(FlowRecipe):
 
 
 class WanPipelineConfig(FlowRecipe):
-    """Wan 2.1 text-to-video: UMT5 prompts, a causal 3D VAE normalised per channel, a video
-    transformer, flow matching on the scheduler's shifted sigmas.
+    """Wan 2.1 text-to-video (and one expert of Wan 2.2 A14B): UMT5 prompts, a causal 3D VAE
+    normalised per channel, a video transformer, flow matching on the scheduler's shifted sigmas.
 
     Clips come from `[data.video]` (image rows train as one-frame clips); the frame settings are
     in the cache key with this group's stage-1 settings."""
@@ -267,4 +267,11 @@ class WanPipelineConfig(FlowRecipe):
         gt=0,
         description="Sigma shift of the training timesteps; unset: the scheduler config's "
         "flow_shift (UniPC) or shift (FlowMatchEuler): 3.0 for 480p, 5.0 for 720p.",
+    )
+    expert: Literal["high_noise", "low_noise"] | None = setting(
+        None,
+        stage1=False,
+        description="Wan 2.2 A14B folders (transformer + transformer_2, boundary_ratio): the "
+        "expert to train: 'high_noise' = transformer on t >= boundary_ratio * 1000, "
+        "'low_noise' = transformer_2 below it (set trainable.lora_base_model to match).",
     )

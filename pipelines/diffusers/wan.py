@@ -1,11 +1,12 @@
-"""Wan 2.1 text-to-video (WanPipeline folders): UMT5 prompt embeddings, a causal 3D VAE normalised
-per channel, WanTransformer3DModel, flow matching on sigmas shifted by the scheduler's shift.
+"""Wan 2.1 text-to-video and one expert of Wan 2.2 A14B (WanPipeline folders): UMT5 prompt
+embeddings, a causal 3D VAE normalised per channel, WanTransformer3DModel, flow matching on sigmas
+shifted by the scheduler's shift.
 
 Stage 1 caches the prompt embeddings (zero-padded to max_prompt_length, as the pipeline pads them)
 and each clip's VAE latent distribution ((frames - 1) / 4 + 1 latent frames); every step draws a
 latent, normalises it with latents_mean / latents_std, drops captions, draws noise and a timestep.
-Wan 2.2's two-expert folders (transformer_2, boundary_ratio) and TI2V (expand_timesteps) are
-refused by name.
+Wan 2.2 A14B's folders (transformer_2, boundary_ratio) train the expert `pipeline.expert` names
+on its part of the timesteps; TI2V (expand_timesteps) is refused by name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,18 +55,24 @@ WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.n
 WAN_TP = {"blocks.*.ffn.net.0.proj": "colwise", "blocks.*.ffn.net.2": "rowwise"}
 
 
+def expert_table(timesteps: torch.Tensor, sigmas: torch.Tensor) -> SimpleNamespace:
+    """A training table of just these (timestep, sigma) rows, as flow_draw reads a scheduler:
+    its draws spread uniformly (or by weighting_scheme) over one expert's rows."""
+    config = SimpleNamespace(num_train_timesteps=len(timesteps))
+    return SimpleNamespace(config=config, timesteps=timesteps, sigmas=sigmas)
+
+
 class WanFamily(FlowTransformerFamily):
-    """Wan 2.1 text-to-video (WanPipeline folders)."""
+    """Wan 2.1 text-to-video, or one Wan 2.2 A14B expert (WanPipeline folders)."""
 
     name = "wan"
     default_guidance = 5.0  # WanPipeline's guidance_scale
-    model_names = ("text_encoder", "vae", "transformer")
     pipeline_classes = ("WanPipeline",)
     text_params = ("prompt_embeds",)
     text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds",)
     default_lora_targets = WAN_LORA_TARGETS
-    tp_plans = {"transformer": WAN_TP}
+    tp_plans = {"transformer": WAN_TP, "transformer_2": WAN_TP}
 
     # -- units -----------------------------------------------------------------------------------
     def units(self) -> list[RunnableUnit]:
@@ -107,21 +115,61 @@ class WanFamily(FlowTransformerFamily):
             ),
         ]
 
+    @property
+    def two_experts(self) -> bool:
+        """Whether the folder is Wan 2.2 A14B's (a low-noise transformer_2, a boundary_ratio)."""
+        return self.folder.has("transformer_2") or self.boundary_ratio is not None
+
+    @property
+    def boundary_ratio(self) -> float | None:
+        """model_index.json's boundary_ratio: where the high-noise expert hands over."""
+        ratio = self.folder.index.get("boundary_ratio")
+        return None if ratio is None else float(ratio)
+
+    @property
+    def denoiser(self) -> str:
+        """The transformer trained: `transformer_2` for Wan 2.2's low-noise expert."""
+        return "transformer_2" if self.config.pipeline.expert == "low_noise" else "transformer"
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The models a run calls: the encoders and the one transformer trained."""
+        return ("text_encoder", "vae", self.denoiser)
+
     def check_version(self) -> None:
-        """Wan 2.1 text-to-video only: a Wan 2.2 folder's second expert or per-token timesteps
-        would train wrongly without a word, so they are refused by the field that shows them."""
-        index = self.folder.index
-        where = f"pipeline.pretrained: {self.folder.root}/model_index.json"
-        if self.folder.has("transformer_2") or index.get("boundary_ratio") is not None:
-            raise ConfigError(
-                f"{where} names transformer_2 / boundary_ratio (Wan 2.2's high- and low-noise "
-                "experts); splitstage trains Wan 2.1 text-to-video (one transformer): give a "
-                "Wan 2.1 T2V folder"
-            )
+        """Wan 2.1 T2V, or one chosen expert of Wan 2.2 A14B: a second expert or per-token
+        timesteps would train wrongly without a word, so they are refused by the field to set."""
+        index, expert = self.folder.index, self.config.pipeline.expert
+        where = f"{self.folder.root}/model_index.json"
         if index.get("expand_timesteps"):
             raise ConfigError(
-                f"{where} sets expand_timesteps (Wan 2.2 TI2V's per-token timesteps), which "
-                "splitstage does not train; give a Wan 2.1 T2V folder"
+                f"pipeline.pretrained: {where} sets expand_timesteps (Wan 2.2 TI2V's per-token "
+                "timesteps), which splitstage does not train; give a Wan 2.1 T2V or Wan 2.2 "
+                "A14B T2V folder"
+            )
+        if not self.two_experts:
+            if expert is not None:
+                raise ConfigError(
+                    f"pipeline.expert = {expert!r}: {where} has one transformer (Wan 2.1); "
+                    "remove pipeline.expert"
+                )
+            return
+        if not (self.folder.has("transformer_2") and self.boundary_ratio is not None):
+            raise ConfigError(
+                f"pipeline.pretrained: {where} names only one of transformer_2 / boundary_ratio; "
+                "give the Wan 2.2 A14B folder as saved (both)"
+            )
+        if expert is None:
+            raise ConfigError(
+                f"pipeline.expert: {where} is Wan 2.2 with two experts (boundary_ratio "
+                f"{self.boundary_ratio:g}); set pipeline.expert = 'high_noise' (transformer) or "
+                "'low_noise' (transformer_2), and trainable.lora_base_model to that component"
+            )
+        trained = self.config.trainable.models()
+        if trained != [self.denoiser]:
+            raise ConfigError(
+                f"trainable.lora_base_model: pipeline.expert = {expert!r} trains "
+                f"{self.denoiser!r}; set trainable.lora_base_model = {self.denoiser!r}"
             )
 
     def stage1_settings(self) -> dict[str, Any]:
@@ -163,11 +211,18 @@ class WanFamily(FlowTransformerFamily):
     @cached_property
     def noise_scheduler(self):
         """FlowMatchEulerDiscreteScheduler's 1000-step table shifted by flow_shift (the sigmas
-        WanPipeline's scheduler samples along)."""
+        WanPipeline's scheduler samples along); for a Wan 2.2 expert, the part of it that
+        expert denoises (high noise: t >= boundary_ratio * 1000, low noise: below)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         steps = int(self.scheduler_config.get("num_train_timesteps", 1000))
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=steps, shift=self.flow_shift)
+        table = FlowMatchEulerDiscreteScheduler(num_train_timesteps=steps, shift=self.flow_shift)
+        if self.config.pipeline.expert is None:
+            return table
+        boundary = self.boundary_ratio * steps
+        high = table.timesteps >= boundary
+        keep = high if self.config.pipeline.expert == "high_noise" else ~high
+        return expert_table(table.timesteps[keep], table.sigmas[: len(keep)][keep])
 
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
         """x_t = (1 - sigma) x0 + sigma noise on [B, C, F', h, w] latents, t = 1000 sigma from
@@ -189,6 +244,17 @@ class WanFamily(FlowTransformerFamily):
     # -- hooks -----------------------------------------------------------------------------------
     def tp_prepare(self, model: nn.Module, tp_degree: int) -> None:
         """Nothing: only the feed-forward is sharded, the attention heads stay whole."""
+
+    def check_sampling(self) -> None:
+        """The VAE is there; a Wan 2.2 expert cannot sample alone (the other expert denoises
+        the other part of every clip, and stage 2 loads only the trained one)."""
+        super().check_sampling()
+        if self.config.pipeline.expert is not None:
+            raise ConfigError(
+                f"validation.prompts: a Wan 2.2 expert ({self.config.pipeline.expert}) cannot "
+                "sample clips without the other expert, which stage 2 does not load; remove "
+                "the [validation] prompts"
+            )
 
     def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
         """WanPipeline's loop: the folder's scheduler, classifier-free guidance, clips of
@@ -220,12 +286,15 @@ class WanFamily(FlowTransformerFamily):
     def export_files(
         self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
     ) -> dict[str, tuple[str, bytes]]:
-        """A LoRA as diffusers' pytorch_lora_weights.safetensors (WanPipeline.load_lora_weights);
+        """A LoRA as diffusers' pytorch_lora_weights.safetensors (WanPipeline.load_lora_weights,
+        with load_into_transformer_2=True for Wan 2.2's low-noise expert);
         no kohya file (musubi-tuner / ComfyUI name Wan's modules by the original checkpoint's
         names, which this export does not map yet); full weights as the base class writes."""
         if not request.lora:
             return super().export_files(model_name, state, request)
         lora = {key: tensor for key, tensor in state.items() if "lora_" in key}
-        meta = diffusers_lora_metadata(model_name, request.rank, request.alpha, request.targets)
-        weights = save(diffusers_lora_state(lora, model_name), meta)
+        # WanPipeline loads either expert's LoRA from `transformer.*` keys (the low-noise one
+        # with load_into_transformer_2=True), as diffusers' Wan 2.2 LoRAs are written
+        meta = diffusers_lora_metadata("transformer", request.rank, request.alpha, request.targets)
+        weights = save(diffusers_lora_state(lora, "transformer"), meta)
         return {model_name: (DIFFUSERS_WEIGHT_NAME, weights)}

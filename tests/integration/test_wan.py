@@ -1,9 +1,10 @@
 """Wan 2.1 through diffusers (`[pipeline] name = "wan"`) on a tiny Hub-style folder with the real
 classes (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, UniPC) and a data set of real
 short video files written with PyAV: the split plan and its cache key, our training loss against
-the diffusers computation for the same noise and timesteps, the sampler against WanPipeline, and
-plan -> preprocess -> torchrun training (split on 2 TP ranks = unsplit on 1) -> an export
-WanPipeline.load_lora_weights reproduces, with validation clips written as animated WebP.
+the diffusers computation for the same noise and timesteps (and a Wan 2.2 expert's, whose LoRA
+loads into transformer_2), the sampler against WanPipeline, and plan -> preprocess -> torchrun
+training (split on 2 TP ranks = unsplit on 1) -> an export WanPipeline.load_lora_weights
+reproduces, with validation clips written as animated WebP.
 Run: .venv/bin/pytest -m slow tests/integration/test_wan.py
 """
 
@@ -66,10 +67,11 @@ def root(tmp_path_factory) -> Path:
     lines = "".join(json.dumps(row) + "\n" for row in rows)
     (root / "data" / "metadata.jsonl").write_text(lines)
     write_tiny_folder("wan", root / "wan")
+    write_tiny_folder("wan22", root / "wan22")
     return root
 
 
-def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, **train):
+def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, lora=None, **train):
     """A LoRA job (rank 4, alpha 8) on the tiny folder: 64 px, 5-frame clips, fp32."""
     settings = {"name": "wan", "pretrained": str(root / "wan"), "resolution": SIDE}
     settings |= {"precision": "fp32", "max_prompt_length": LENGTH} | (pipeline or {})
@@ -77,7 +79,11 @@ def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, **
         {
             "job": {"name": name, "seed": 3},
             "pipeline": settings,
-            "trainable": {"lora_base_model": "transformer", "lora_rank": 4, "lora_alpha": 8},
+            "trainable": {
+                "lora_base_model": lora or "transformer",
+                "lora_rank": 4,
+                "lora_alpha": 8,
+            },
             "data": {
                 "base_path": str(root / "data"),
                 "video": {"num_frames": FRAMES, "frame_stride": 2} | (video or {}),
@@ -91,11 +97,11 @@ def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, **
     )
 
 
-def pipeline(root: Path):
+def pipeline(root: Path, folder: str = "wan"):
     """WanPipeline from the same folder (offline)."""
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(root / "wan")
+    pipe = WanPipeline.from_pretrained(root / folder)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -142,30 +148,22 @@ def test_the_plan_caches_prompts_and_clip_latents_and_keys_the_frame_settings(ro
     assert sample["video"].shape == (FRAMES, 3, SIDE, SIDE)
 
 
-def test_the_training_loss_is_the_diffusers_computation(root):
-    """Same noise and timesteps: WanPipeline's own prompt encoding, its VAE's latents normalised
-    as the pipeline undoes them, sigma from FlowMatchEulerDiscreteScheduler with the folder's
-    flow_shift, target noise - latents, give our loss."""
+def diffusers_loss(pipe, transformer, batch) -> torch.Tensor:
+    """The step's loss computed with diffusers' components alone: WanPipeline's prompt encoding,
+    its VAE's latents normalised as the pipeline undoes them, sigma from
+    FlowMatchEulerDiscreteScheduler with the folder's flow_shift, target noise - latents."""
     from diffusers import FlowMatchEulerDiscreteScheduler
-
-    plan = make_plan(job(root, "loss", pipeline={"vae_latents": "mean"}))
-    family = plan.family
-    pipe = pipeline(root)
-    transformer = pipe.transformer
-    batch, ctx, step = drawn_step(plan, transformer)
-    with torch.no_grad():
-        ours = family.loss(family.denoise(ctx, step), step)
 
     with torch.no_grad():
         embeds = pipe._get_t5_prompt_embeds(PROMPTS, max_sequence_length=LENGTH)
         clips = batch["video"].permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W]
         z = pipe.vae.encode(clips).latent_dist.mode()
     assert z.shape == (2, 4, 2, SIDE // 8, SIDE // 8)  # (5 - 1) / 4 + 1 latent frames
+    assert (embeds[1, 8:] == 0).all()  # the shorter prompt's padding is zeros, as cached
     config = pipe.vae.config
     mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
     inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
     model_input = (z - mean) * inv_std
-    assert pipe.scheduler.config.flow_shift == 3.0
     scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
     timesteps = batch["timestep"]
     index = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
@@ -179,9 +177,21 @@ def test_the_training_loss_is_the_diffusers_computation(root):
             encoder_hidden_states=embeds,
             return_dict=False,
         )[0]
-    loss = torch.mean((pred - (noise - model_input)) ** 2)
-    assert (embeds[1, 8:] == 0).all()  # the shorter prompt's padding is zeros, as cached
-    assert ours.item() == pytest.approx(loss.item(), rel=1e-5)
+    return torch.mean((pred - (noise - model_input)) ** 2)
+
+
+def test_the_training_loss_is_the_diffusers_computation(root):
+    """Same noise and timesteps (flow_shift 3 from the folder's UniPC config)."""
+    plan = make_plan(job(root, "loss", pipeline={"vae_latents": "mean"}))
+    family = plan.family
+    pipe = pipeline(root)
+    assert pipe.scheduler.config.flow_shift == 3.0
+    batch, ctx, step = drawn_step(plan, pipe.transformer)
+    with torch.no_grad():
+        ours = family.loss(family.denoise(ctx, step), step)
+    assert ours.item() == pytest.approx(
+        diffusers_loss(pipe, pipe.transformer, batch).item(), rel=1e-5
+    )
 
 
 def ours(plan, seed: int) -> torch.Tensor:
@@ -254,20 +264,73 @@ def test_checkpointing_gives_the_same_loss_and_gradients_and_recomputes_each_blo
     assert total_on == 2 * forward_on  # recomputed in backward
 
 
-def test_a_wan_22_two_expert_folder_is_refused_by_name(root, tmp_path):
-    """A folder with transformer_2 (Wan 2.2 A14B's low-noise expert) or boundary_ratio is one
-    ConfigError naming the field; so is TI2V's expand_timesteps."""
-    folder = shutil.copytree(root / "wan", tmp_path / "wan22")
+def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(root, tmp_path):
+    """A Wan 2.2 A14B folder (transformer + transformer_2, boundary_ratio 0.875): pipeline.expert
+    picks the trained transformer and its part of the shifted table; without it, with the other
+    component as lora_base_model, with validation prompts, on a Wan 2.1 folder, or on a TI2V
+    folder (expand_timesteps), one ConfigError line naming the field."""
+    wan22 = {"pretrained": str(root / "wan22"), "vae_latents": "mean"}
+    with pytest.raises(ConfigError, match=r"^pipeline\.expert: .*boundary_ratio 0\.875") as error:
+        make_plan(job(root, "w22", pipeline=wan22))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="set trainable.lora_base_model = 'transformer_2'"):
+        make_plan(job(root, "w22", pipeline=wan22 | {"expert": "low_noise"}))
+    with pytest.raises(ConfigError, match="pipeline.expert = 'high_noise': .* one transformer"):
+        make_plan(job(root, "w21", pipeline={"expert": "high_noise"}))
+    folder = shutil.copytree(root / "wan", tmp_path / "ti2v")
     index = json.loads((folder / "model_index.json").read_text())
-    two = index | {"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}
-    shutil.copytree(folder / "transformer", folder / "transformer_2")
-    (folder / "model_index.json").write_text(json.dumps(two))
-    with pytest.raises(ConfigError, match="transformer_2 / boundary_ratio") as error:
-        make_plan(job(root, "w22", pipeline={"pretrained": str(folder)}))
-    assert "\n" not in str(error.value) and "pipeline.pretrained" in str(error.value)
     (folder / "model_index.json").write_text(json.dumps(index | {"expand_timesteps": True}))
     with pytest.raises(ConfigError, match="expand_timesteps"):
         make_plan(job(root, "ti2v", pipeline={"pretrained": str(folder)}))
+
+    high = make_plan(job(root, "w22", pipeline=wan22 | {"expert": "high_noise"}))
+    assert high.split.models["stage2"] == ("transformer",)
+    assert (high.family.noise_scheduler.timesteps >= 875).all()
+    plan = make_plan(
+        job(root, "w22", pipeline=wan22 | {"expert": "low_noise"}, lora="transformer_2")
+    )
+    family = plan.family
+    assert plan.split.models["stage2"] == ("transformer_2",)
+    table = family.noise_scheduler
+    assert (table.timesteps < 875).all() and len(table.timesteps) + len(
+        high.family.noise_scheduler.timesteps
+    ) == 1000
+    with pytest.raises(ConfigError, match="validation.prompts: a Wan 2.2 expert"):
+        family.check_sampling()
+
+    # the loss is diffusers' on transformer_2 for the same (low-noise) draws
+    pipe = pipeline(root, "wan22")
+    batch, ctx, step = drawn_step(plan, pipe.transformer_2)
+    assert (batch["timestep"] < 875).all()
+    with torch.no_grad():
+        ours = family.loss(family.denoise(ctx, step), step)
+    theirs = diffusers_loss(pipe, pipe.transformer_2, batch)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+
+    # the low-noise LoRA exports as WanPipeline loads it into transformer_2
+    from splitstage.tasks.stage2.export import request_for
+    from splitstage.tasks.stage2.models import LORA_ADAPTER
+
+    _, trained = trained_model(plan.config)
+    seed_adapters(trained)
+    state = {
+        key.replace(f".{LORA_ADAPTER}.", "."): tensor
+        for key, tensor in trained.state_dict().items()
+        if "lora_" in key
+    }
+    request = request_for(plan.config, True, family, steps=1)
+    files = family.export_files("transformer_2", state, request)
+    name, data = files["transformer_2"]
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / name).write_bytes(data)
+    with torch.no_grad():
+        expected = family.denoise(StepContext({"transformer_2": trained}, CPU), step)
+        base = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
+    assert not torch.allclose(base, expected, atol=1e-5)
+    pipe.load_lora_weights(str(tmp_path / "lora"), load_into_transformer_2=True)
+    with torch.no_grad():
+        loaded = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
+    torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
 
 
 def trained_from_checkpoint(config, report):
