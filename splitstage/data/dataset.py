@@ -185,7 +185,7 @@ def _file_column(record: Mapping[str, Any], where: str, base: str) -> str:
     given = [c for c in metadata_files.FILE_COLUMNS if c in record]
     if len(given) < 2:
         return given[0] if given else "image"
-    filled = [c for c in given if not (record[c] is None or record[c] == "")]
+    filled = [c for c in given if not _blank(record[c])]
     if len(filled) == 2:
         raise DataError(
             f"{where}: both 'image' ({record['image']!r}) and 'video' ({record['video']!r}) "
@@ -196,6 +196,11 @@ def _file_column(record: Mapping[str, Any], where: str, base: str) -> str:
             f"{where}: neither 'image' nor 'video' is set; give one file path relative to {base}"
         )
     return filled[0]
+
+
+def _blank(value: Any) -> bool:
+    """An unset cell: null, or text of only whitespace."""
+    return value is None or (isinstance(value, str) and not value.strip())
 
 
 def scan_data_set(

@@ -57,6 +57,7 @@ _RULE_MODULES = (  # the code whose behaviour the memo's contents depend on
     "splitstage.data.image_paths",
     "splitstage.data.images",
     "splitstage.data.index",
+    "splitstage.data.videos",  # which rows are videos (no image size limit, their messages)
     __name__,
 )
 

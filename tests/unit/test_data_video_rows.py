@@ -51,7 +51,7 @@ def test_csv_and_parquet_accept_a_video_column(base):
 
 def test_image_and_video_columns_together_one_file_a_row(base):
     """A header may have both columns (mixed data sets); each row fills exactly one."""
-    text = "image,video,prompt\nimg/a.png,,an image\n,clips/a.mp4,a clip\n"
+    text = "image,video,prompt\nimg/a.png,,an image\n  ,clips/a.mp4,a clip\n"
     (base / "metadata.csv").write_text(text)
     rows = load_metadata(base)
     assert [(r.image, r.extras) for r in rows] == [("img/a.png", {}), ("clips/a.mp4", {})]
