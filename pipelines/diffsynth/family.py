@@ -155,7 +155,7 @@ class DiffSynthFamily(Family):
         return {**BASE_INPUTS, **PIPELINES[self.group.pipeline_class][2], **settings}
 
     @property
-    def video(self) -> bool:
+    def takes_video(self) -> bool:
         """True for video pipelines (Wan): rows become clips, `input_video`."""
         return "video" in self.group.pipeline_class.lower()
 
@@ -164,7 +164,7 @@ class DiffSynthFamily(Family):
         (DiffSynth's rule, not the diffusers families') and, for video pipelines, the
         `[data.video]` frame choice: the cache key takes them all."""
         task = self.config.train.task
-        frames = video_key_settings(self.config.data.video) if self.video else {}
+        frames = video_key_settings(self.config.data.video) if self.takes_video else {}
         return {**super().stage1_settings(), "resize": RESIZE, **frames} | (
             {} if task == "sft" else {"task": task}  # the cache holds the row's starting noise
         )
@@ -199,7 +199,7 @@ class DiffSynthFamily(Family):
         sample |= {"height": group.height, "width": group.width}
         if self.config.train.task == "direct_distill":
             sample |= distill_inputs(row)
-        if self.video:
+        if self.takes_video:
             frames = clip_frames(row, base_path, self.config.data.video)
             video = [center_crop_resize(f, group.height, group.width, RESIZE) for f in frames]
             return sample | {"input_video": video, "num_frames": len(video)}
