@@ -33,6 +33,7 @@ from splitstage.pipelines.diffusers.lora_export import (
     diffusers_lora_state,
 )
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
+from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
 from splitstage.pipelines.diffusers.wan_latents import (
     decode_clips,
@@ -228,8 +229,6 @@ class WanFamily(FlowTransformerFamily):
         """x_t = (1 - sigma) x0 + sigma noise on [B, C, F', h, w] latents, t = 1000 sigma from
         the shifted table; target noise - x0; the timestep stays float32 (the time embedding
         is kept in fp32 by diffusers)."""
-        from splitstage.pipelines.diffusers.recipes import flow_draw
-
         x0 = inputs["input_latents"].to(ctx.device, torch.float32)
         draw = flow_draw(ctx, x0, self.noise_scheduler)
         inputs.update(noise=draw["noise"], timestep=draw["timestep"], latents=draw["latents"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from splitstage.pipelines.diffusers.wan_latents import latent_frames
 from splitstage.pipelines.family import input_dtype
 from splitstage.pipelines.runtime import StepContext
 
@@ -21,8 +22,6 @@ def wan_sample(
 ) -> torch.Tensor:
     """Latents [B, C, F', H/8, W/8] (normalised as trained) for each row of `cond`, guided by
     `uncond` when guidance > 1; `size` = (height, width) px, `frames` video frames (4k+1)."""
-    from splitstage.pipelines.diffusers.wan_latents import latent_frames
-
     model = ctx.model(family.denoiser, "sample")
     dtype = input_dtype(model)
     scheduler = folder_scheduler(family.scheduler_config)
