@@ -26,14 +26,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 from PIL import Image
 
 from splitstage.data.images import DataError, center_crop_resize, image_to_tensor
 from splitstage.data.source import DataSource, relative_key, source_for
+
+if TYPE_CHECKING:
+    import torch
 
 VIDEO_DECODE_VERSION = "splitstage-video-v1"  # bump when the frames a file decodes to change
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
@@ -355,6 +357,8 @@ def clip_to_tensor(
         height, width = size(first.height, first.width)
     else:
         height, width = (size, size) if isinstance(size, int) else size
+    import torch  # here only: listing and hashing video rows import no torch
+
     return torch.stack([image_to_tensor(center_crop_resize(f, height, width)) for f in frames])
 
 

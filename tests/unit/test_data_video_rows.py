@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -227,3 +229,14 @@ def test_file_digest_equals_the_whole_files_hash(base):
     os.remove(base / "clips" / "a.mp4")
     with pytest.raises(DataError, match=r"^metadata row 2: cannot read video file .*a.mp4"):
         file_digest(row, base)
+
+
+def test_indexing_and_checking_rows_imports_no_torch():
+    """Listing, keying and checking rows of images and videos needs no torch (it is imported
+    where frames become tensors): the launcher and `validate` stay light."""
+    code = (
+        "import sys; import splitstage.data.index, splitstage.data.clips; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
