@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import save
 from torch import nn
 
 from splitstage.config.job import ConfigError
@@ -27,11 +26,6 @@ from splitstage.data.dataset import Row
 from splitstage.data.source import DataSource
 from splitstage.data.videos import video_key_settings
 from splitstage.pipelines.diffusers.base import drop_captions
-from splitstage.pipelines.diffusers.lora_export import (
-    DIFFUSERS_WEIGHT_NAME,
-    diffusers_lora_metadata,
-    diffusers_lora_state,
-)
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
@@ -40,6 +34,7 @@ from splitstage.pipelines.diffusers.wan_latents import (
     encode_clips,
     make_normalising_sampler,
 )
+from splitstage.pipelines.diffusers.wan_lora import wan_lora_files
 from splitstage.pipelines.diffusers.wan_sampling import wan_sample
 from splitstage.pipelines.diffusers.wan_text import encode_prompts
 from splitstage.pipelines.family import ExportRequest, TrainingStep
@@ -286,14 +281,9 @@ class WanFamily(FlowTransformerFamily):
         self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
     ) -> dict[str, tuple[str, bytes]]:
         """A LoRA as diffusers' pytorch_lora_weights.safetensors (WanPipeline.load_lora_weights,
-        with load_into_transformer_2=True for Wan 2.2's low-noise expert);
-        no kohya file (musubi-tuner / ComfyUI name Wan's modules by the original checkpoint's
-        names, which this export does not map yet); full weights as the base class writes."""
+        with load_into_transformer_2=True for Wan 2.2's low-noise expert) and, when every
+        adapted module has an original Wan name (the default targets do), a ComfyUI file in
+        those names; full weights as the base class writes them."""
         if not request.lora:
             return super().export_files(model_name, state, request)
-        lora = {key: tensor for key, tensor in state.items() if "lora_" in key}
-        # WanPipeline loads either expert's LoRA from `transformer.*` keys (the low-noise one
-        # with load_into_transformer_2=True), as diffusers' Wan 2.2 LoRAs are written
-        meta = diffusers_lora_metadata("transformer", request.rank, request.alpha, request.targets)
-        weights = save(diffusers_lora_state(lora, "transformer"), meta)
-        return {model_name: (DIFFUSERS_WEIGHT_NAME, weights)}
+        return wan_lora_files(model_name, state, request, self.config.job.name)

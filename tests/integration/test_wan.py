@@ -307,7 +307,8 @@ def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(
     theirs = diffusers_loss(pipe, pipe.transformer_2, batch)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
 
-    # the low-noise LoRA exports as WanPipeline loads it into transformer_2
+    # the low-noise LoRA exports (diffusers' and ComfyUI's names) as WanPipeline loads it into
+    # transformer_2
     from splitstage.tasks.stage2.export import request_for
     from splitstage.tasks.stage2.models import LORA_ADAPTER
 
@@ -320,17 +321,20 @@ def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(
     }
     request = request_for(plan.config, True, family, steps=1)
     files = family.export_files("transformer_2", state, request)
-    name, data = files["transformer_2"]
-    (tmp_path / "lora").mkdir()
-    (tmp_path / "lora" / name).write_bytes(data)
+    assert sorted(files) == ["transformer_2", "transformer_2_comfyui"]
     with torch.no_grad():
         expected = family.denoise(StepContext({"transformer_2": trained}, CPU), step)
-        base = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
-    assert not torch.allclose(base, expected, atol=1e-5)
-    pipe.load_lora_weights(str(tmp_path / "lora"), load_into_transformer_2=True)
-    with torch.no_grad():
-        loaded = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
-    torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
+    for label, (name, data) in files.items():
+        (tmp_path / label).mkdir()
+        (tmp_path / label / name).write_bytes(data)
+        pipe = pipeline(root, "wan22")
+        with torch.no_grad():
+            base = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
+        assert not torch.allclose(base, expected, atol=1e-5)
+        pipe.load_lora_weights(str(tmp_path / label / name), load_into_transformer_2=True)
+        with torch.no_grad():
+            loaded = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
+        torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
 
 
 def trained_from_checkpoint(config, report):
@@ -389,11 +393,15 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
     _, ctx, step = drawn_step(plan, trained)
     with torch.no_grad():
         expected = plan.family.denoise(ctx, step)
-    pipe = pipeline(root)
-    with torch.no_grad():
-        base = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
-    assert not torch.allclose(base, expected, atol=1e-5)  # the LoRA learned something
-    pipe.load_lora_weights(str(Path(report.outputs["transformer"]).parent))
-    with torch.no_grad():
-        loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
-    torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
+    for lora in (
+        Path(report.outputs["transformer"]).parent,  # diffusers' layout
+        Path(report.outputs["transformer_comfyui"]),  # the original names (ComfyUI)
+    ):
+        pipe = pipeline(root)
+        with torch.no_grad():
+            base = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
+        assert not torch.allclose(base, expected, atol=1e-5)  # the LoRA learned something
+        pipe.load_lora_weights(str(lora))
+        with torch.no_grad():
+            loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
+        torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
