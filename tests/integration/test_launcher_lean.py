@@ -20,6 +20,7 @@ import pytest
 from splitstage.config.job import ConfigError
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.preflight import StaleCacheError
 from splitstage.tasks.stage2.prepare import prepare
 from splitstage.tasks.stage2.prepare_child import PrepareError, raise_reply, user_error
 from splitstage.tasks.stage2.torchrun import TorchrunError
@@ -103,6 +104,24 @@ def test_the_childs_error_keeps_its_class_in_process(workspace):
     config.models["dit"].weights = str(workspace / "nope.safetensors")
     with pytest.raises(ConfigError, match=r"models.dit.weights: file .*nope.safetensors"):
         train(config, run_root=workspace / "runs", env=ENV, on_line=lambda line: None)
+
+
+def test_a_class_from_a_module_the_launcher_imported_is_kept(workspace, tmp_path):
+    config = tiny_config(workspace, "no-cache", 0)
+    config.cache.url = str(tmp_path / "empty-cache")  # preprocess never ran for it
+    with pytest.raises(StaleCacheError, match="run `splitstage preprocess CONFIG` first"):
+        train(config, run_root=workspace / "runs", env=ENV, on_line=lambda line: None)
+
+
+def test_a_bug_in_the_child_comes_back_with_its_traceback(tmp_path):
+    request, reply = tmp_path / "request.json", tmp_path / "reply.json"
+    request.write_text(json.dumps({"config": {}}))  # no run id: a KeyError, not bad input
+    module = "splitstage.tasks.stage2.prepare"
+    done = subprocess.run([sys.executable, "-m", module, str(request), str(reply)], timeout=120)
+    answer = json.loads(reply.read_text())["error"]
+    assert done.returncode == 1 and answer["kind"] == "bug"
+    with pytest.raises(PrepareError, match=r"(?s)Traceback.*KeyError: 'run_id'"):
+        raise_reply(answer, done.returncode)
 
 
 def test_cancelling_during_set_up_ends_the_child(workspace):
