@@ -1,6 +1,7 @@
 """Everything knowable before launch, checked before launch: one line naming the field and the fix.
 
-`preflight` runs in the launcher (and `splitstage validate`) before any torchrun process starts:
+`preflight` runs before any torchrun process starts, in the launcher's short-lived set-up child
+(`tasks/stage2/prepare.py`, so the launcher itself imports no torch) and in `splitstage validate`:
 the mesh, the models and their weights files, what is trained and how, whether the cache holds
 exactly the data set, whether the batches fit it, whether the outputs can be written, and whether
 a checkpoint to resume from was made with compatible settings. Findings that are not errors come
