@@ -175,9 +175,10 @@ def train(
     say = on_line or print
     cancel = cancel or threading.Event()
     with contextlib.ExitStack() as held:
-        staging = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="splitstage-run-")))
+        staging = tempfile.TemporaryDirectory(prefix="splitstage-run-")
+        held.callback(staging.cleanup)
         root = run_root or scratch_root(config)
-        prepared = prepare_in_child(config, run_id, root, staging, cancel)
+        prepared = prepare_in_child(config, run_id, root, Path(staging.name), cancel)
         for warning in prepared.warnings:
             say(f"warning: {warning}")
         for note in prepared.notes:
@@ -188,6 +189,7 @@ def train(
         spec_path = write_spec(
             config, run_id, prepared.cache_key, run_dir, paths, prepared, split=prepared.split
         )
+        staging.cleanup()  # the child's request and reply: not kept for the whole run
         for name in ("result.json", ERROR_FILE):  # metrics.jsonl is the run's record: kept
             (run_dir / name).unlink(missing_ok=True)
         try:
