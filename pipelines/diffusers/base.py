@@ -147,10 +147,15 @@ class DiffusersFamily(Family):
             self.encode_prompts,
         )
 
-    def units(self) -> list[RunnableUnit]:
-        """Prompt encoding, VAE encoding, per-step latent sampling and caption dropout."""
-        mean_only = self.config.pipeline.vae_latents == "mean"
-        latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
+    pixel_param = "image"  # the sample field the VAE encodes ("video" for clips)
+
+    def pixel_encoder(self):
+        """The V2 function giving the VAE's latent distribution of `pixel_param`'s pixels."""
+        return encode_images
+
+    def latent_sampler(self):
+        """The per-step function drawing training latents from the cached distribution:
+        (z - shift_factor) * scaling_factor, refused without a scaling_factor."""
         if not self.vae_config.get("scaling_factor"):
             raise ConfigError(
                 f"pipeline.pretrained: {self.folder.root}/vae/config.json has no scaling_factor; "
@@ -159,17 +164,24 @@ class DiffusersFamily(Family):
             )
         scaling = float(self.vae_config["scaling_factor"])
         shift = float(self.vae_config.get("shift_factor") or 0.0)
+        return make_latent_sampler(scaling, shift)
+
+    def units(self) -> list[RunnableUnit]:
+        """Prompt encoding, VAE encoding, per-step latent sampling and caption dropout."""
+        mean_only = self.config.pipeline.vae_latents == "mean"
+        latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
+        sampler = self.latent_sampler()
         empty = tuple(f"empty_{p}" for p in self.text_params)
         return [
             self.text_unit(),
             RunnableUnit(
                 Unit(
                     "VAEEncoder",
-                    ("image",),
+                    (self.pixel_param,),
                     output_params=latent_params,
                     onload_model_names=("vae",),
                 ),
-                encode_images,
+                self.pixel_encoder(),
             ),
             RunnableUnit(
                 Unit(
@@ -178,7 +190,7 @@ class DiffusersFamily(Family):
                     output_params=("input_latents",),
                     per_step=True,
                 ),
-                make_latent_sampler(scaling, shift),
+                sampler,
             ),
             RunnableUnit(
                 Unit(

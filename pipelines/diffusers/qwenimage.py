@@ -19,7 +19,7 @@ from torch import nn
 from splitstage.config.job import ConfigError
 from splitstage.data.buckets import BucketError, Buckets
 from splitstage.pipelines.diffsynth.config import QWEN_IMAGE_LORA_TARGETS
-from splitstage.pipelines.diffusers.base import DTYPES, drop_captions
+from splitstage.pipelines.diffusers.base import DTYPES
 from splitstage.pipelines.diffusers.component_export import lora_files
 from splitstage.pipelines.diffusers.components import build_empty
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
@@ -27,7 +27,6 @@ from splitstage.pipelines.diffusers.qwenimage_latents import (
     decode_frames,
     encode_frames,
     image_shapes,
-    make_normalising_sampler,
     pack,
 )
 from splitstage.pipelines.diffusers.qwenimage_sampling import image_shift, qwenimage_sample
@@ -38,9 +37,9 @@ from splitstage.pipelines.diffusers.qwenimage_text import (
 )
 from splitstage.pipelines.diffusers.recipes import flow_draw, flow_scheduler
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
+from splitstage.pipelines.diffusers.wan_vae_norm import make_normalising_sampler, require_stats
 from splitstage.pipelines.family import ExportRequest, TrainingStep
-from splitstage.pipelines.runtime import RunnableUnit, StepContext
-from splitstage.splitter import Unit
+from splitstage.pipelines.runtime import StepContext
 
 # The source text's Qwen-Image LoRA targets (DiffSynth-Studio's example): both attention streams,
 # the image / text MLP outputs and the modulation layers.
@@ -80,45 +79,20 @@ class QwenImageFamily(FlowTransformerFamily):
     tp_plans = {"transformer": QWEN_TP}
 
     # -- units -----------------------------------------------------------------------------------
-    def units(self) -> list[RunnableUnit]:
-        """Prompt encoding, one-frame VAE encoding, per-step normalised latents, caption dropout."""
-        for key in ("latents_mean", "latents_std", "z_dim"):
-            if key not in self.vae_config:
-                raise ConfigError(
-                    f"pipeline.pretrained: {self.folder.root}/vae/config.json has no {key}; "
-                    "give the AutoencoderKLQwenImage config saved with Qwen-Image"
-                )
+    def pixel_encoder(self):
+        """Images as one-frame clips through AutoencoderKLQwenImage."""
+        return encode_frames
+
+    def latent_sampler(self):
+        """Latents normalised per channel; the VAE config has the statistics and the tokenizer
+        the pipeline's template (checked here: every plan asks for the units)."""
+        require_stats(
+            self.vae_config,
+            f"{self.folder.root}/vae/config.json",
+            "AutoencoderKLQwenImage config saved with Qwen-Image",
+        )
         self.check_template()
-        mean_only = self.config.pipeline.vae_latents == "mean"
-        latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
-        empty = tuple(f"empty_{p}" for p in self.text_params)
-        return [
-            self.text_unit(),
-            RunnableUnit(
-                Unit(
-                    "VAEEncoder",
-                    ("image",),
-                    output_params=latent_params,
-                    onload_model_names=("vae",),
-                ),
-                encode_frames,
-            ),
-            RunnableUnit(
-                Unit(
-                    "LatentSampler", latent_params, output_params=("input_latents",), per_step=True
-                ),
-                make_normalising_sampler(self.vae_config),
-            ),
-            RunnableUnit(
-                Unit(
-                    "CaptionDropout",
-                    self.text_params + empty,
-                    output_params=self.text_params,
-                    per_step=True,
-                ),
-                drop_captions,
-            ),
-        ]
+        return make_normalising_sampler(self.vae_config)
 
     def check_template(self) -> None:
         """The tokenizer encodes the template's system prefix into the tokens the pipeline

@@ -1,8 +1,8 @@
 """Qwen-Image's latents: its video VAE on one-frame clips, per-channel normalisation, 2x2 packing.
 
-AutoencoderKLQwenImage takes [B, 3, F, H, W] and has no scaling_factor: latents are normalised
-per channel with the config's latents_mean / latents_std, exactly as QwenImagePipeline and
-diffusers' train_dreambooth_lora_qwen_image do. The transformer reads 2x2 patches as tokens
+AutoencoderKLQwenImage takes [B, 3, F, H, W]; its latents are normalised per channel as Wan's
+are (wan_vae_norm.py), exactly as QwenImagePipeline and diffusers'
+train_dreambooth_lora_qwen_image do. The transformer reads 2x2 patches as tokens
 (QwenImagePipeline._pack_latents) and each sample's (frames, rows, columns) of patches.
 """
 
@@ -13,14 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from splitstage.pipelines.diffusers.wan_vae_norm import denormalise
 from splitstage.pipelines.runtime import StepContext
-
-
-def channel_stats(vae_config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(latents_mean, latents_std) of the VAE config as [C] float32 tensors."""
-    mean = torch.tensor(vae_config["latents_mean"], dtype=torch.float32)
-    std = torch.tensor(vae_config["latents_std"], dtype=torch.float32)
-    return mean, std
 
 
 def encode_frames(ctx: StepContext, image: torch.Tensor) -> dict[str, Any]:
@@ -32,33 +26,6 @@ def encode_frames(ctx: StepContext, image: torch.Tensor) -> dict[str, Any]:
     if ctx.settings["vae_latents"] == "mean":
         return {"latent_mean": dist.mean[:, :, 0]}
     return {"latent_mean": dist.mean[:, :, 0], "latent_logvar": dist.logvar[:, :, 0]}
-
-
-def make_normalising_sampler(vae_config: dict[str, Any]):
-    """A per-step unit function: draw a latent from the cached distribution, then
-    (z - latents_mean) / latents_std per channel."""
-    mean, std = channel_stats(vae_config)
-
-    def sample_latents(
-        ctx: StepContext, latent_mean: torch.Tensor, latent_logvar: torch.Tensor | None = None
-    ) -> dict[str, Any]:
-        z = latent_mean.float()
-        if latent_logvar is not None:
-            spread = torch.exp(0.5 * latent_logvar.float().clamp(-30.0, 20.0))
-            z = z + spread * ctx.draws.randn(z.shape, device=z.device)
-        shape = (1, -1, 1, 1)
-        return {"input_latents": (z - mean.view(shape).to(z)) / std.view(shape).to(z)}
-
-    return sample_latents
-
-
-def denormalise(vae_config: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
-    """Training latents [B, C, H, W] back to the VAE's latent space (inverse of the sampler)."""
-    mean, std = channel_stats(vae_config)
-    shape = (1, -1, 1, 1)
-    return latents.float() * std.view(shape).to(latents.device) + mean.view(shape).to(
-        latents.device
-    )
 
 
 def decode_frames(vae: nn.Module, vae_config: dict[str, Any], latents: torch.Tensor):

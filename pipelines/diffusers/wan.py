@@ -25,22 +25,20 @@ from splitstage.data.clips import load_clip_sample
 from splitstage.data.dataset import Row
 from splitstage.data.source import DataSource
 from splitstage.data.videos import video_key_settings
-from splitstage.pipelines.diffusers.base import drop_captions
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
 from splitstage.pipelines.diffusers.wan_latents import (
     decode_clips,
     encode_clips,
-    make_normalising_sampler,
 )
 from splitstage.pipelines.diffusers.wan_lora import wan_lora_files
 from splitstage.pipelines.diffusers.wan_sampling import wan_sample
 from splitstage.pipelines.diffusers.wan_text import encode_prompts
+from splitstage.pipelines.diffusers.wan_vae_norm import make_normalising_sampler, require_stats
 from splitstage.pipelines.family import ExportRequest, TrainingStep
-from splitstage.pipelines.runtime import RunnableUnit, StepContext
+from splitstage.pipelines.runtime import StepContext
 from splitstage.pipelines.sampling_common import filmstrip
-from splitstage.splitter import Unit
 
 # DiffSynth-Studio's Wan LoRA targets (q, k, v, o, ffn.0, ffn.2) by diffusers' module names: both
 # attentions (self and text) and the feed-forward of every block.
@@ -71,45 +69,22 @@ class WanFamily(FlowTransformerFamily):
     tp_plans = {"transformer": WAN_TP, "transformer_2": WAN_TP}
 
     # -- units -----------------------------------------------------------------------------------
-    def units(self) -> list[RunnableUnit]:
-        """Prompt encoding, clip VAE encoding, per-step normalised latents, caption dropout."""
+    pixel_param = "video"
+
+    def pixel_encoder(self):
+        """Clips [B, F, 3, H, W] through AutoencoderKLWan."""
+        return encode_clips
+
+    def latent_sampler(self):
+        """Latents normalised per channel; the folder is a Wan version this family trains and
+        its VAE config has the statistics."""
         self.check_version()
-        for key in ("latents_mean", "latents_std", "z_dim"):
-            if key not in self.vae_config:
-                raise ConfigError(
-                    f"pipeline.pretrained: {self.folder.root}/vae/config.json has no {key}; "
-                    "give the AutoencoderKLWan config saved with Wan 2.1"
-                )
-        mean_only = self.config.pipeline.vae_latents == "mean"
-        latent_params = ("latent_mean",) if mean_only else ("latent_mean", "latent_logvar")
-        empty = tuple(f"empty_{p}" for p in self.text_params)
-        return [
-            self.text_unit(),
-            RunnableUnit(
-                Unit(
-                    "VAEEncoder",
-                    ("video",),
-                    output_params=latent_params,
-                    onload_model_names=("vae",),
-                ),
-                encode_clips,
-            ),
-            RunnableUnit(
-                Unit(
-                    "LatentSampler", latent_params, output_params=("input_latents",), per_step=True
-                ),
-                make_normalising_sampler(self.vae_config),
-            ),
-            RunnableUnit(
-                Unit(
-                    "CaptionDropout",
-                    self.text_params + empty,
-                    output_params=self.text_params,
-                    per_step=True,
-                ),
-                drop_captions,
-            ),
-        ]
+        require_stats(
+            self.vae_config,
+            f"{self.folder.root}/vae/config.json",
+            "AutoencoderKLWan config saved with Wan 2.1",
+        )
+        return make_normalising_sampler(self.vae_config)
 
     @property
     def two_experts(self) -> bool:
