@@ -62,17 +62,25 @@ def encode_images(ctx: StepContext, image: torch.Tensor) -> dict[str, Any]:
     return {"latent_mean": dist.mean, "latent_logvar": dist.logvar}
 
 
+def draw_latent(
+    ctx: StepContext, latent_mean: torch.Tensor, latent_logvar: torch.Tensor | None
+) -> torch.Tensor:
+    """A float32 draw from the cached latent distribution (its mean when only that is cached),
+    as diffusers' DiagonalGaussianDistribution.sample clamps and draws."""
+    z = latent_mean.float()
+    if latent_logvar is not None:
+        std = torch.exp(0.5 * latent_logvar.float().clamp(-30.0, 20.0))
+        z = z + std * ctx.draws.randn(z.shape, device=z.device)
+    return z
+
+
 def make_latent_sampler(scaling: float, shift: float):
     """A per-step unit function: draw a latent, then (z - shift_factor) * scaling_factor."""
 
     def sample_latents(
         ctx: StepContext, latent_mean: torch.Tensor, latent_logvar: torch.Tensor | None = None
     ) -> dict[str, Any]:
-        z = latent_mean.float()
-        if latent_logvar is not None:
-            std = torch.exp(0.5 * latent_logvar.float().clamp(-30.0, 20.0))
-            z = z + std * ctx.draws.randn(z.shape, device=z.device)
-        return {"input_latents": (z - shift) * scaling}
+        return {"input_latents": (draw_latent(ctx, latent_mean, latent_logvar) - shift) * scaling}
 
     return sample_latents
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from splitstage.config.job import ConfigError
+from splitstage.pipelines.diffusers.base import draw_latent
 from splitstage.pipelines.runtime import StepContext
 
 STATS = ("latents_mean", "latents_std", "z_dim")  # what normalising needs of the VAE config
@@ -57,10 +58,8 @@ def make_normalising_sampler(vae_config: dict[str, Any]):
     def sample_latents(
         ctx: StepContext, latent_mean: torch.Tensor, latent_logvar: torch.Tensor | None = None
     ) -> dict[str, Any]:
-        z = latent_mean.float()
-        if latent_logvar is not None:
-            spread = torch.exp(0.5 * latent_logvar.float().clamp(-30.0, 20.0))
-            z = z + spread * ctx.draws.randn(z.shape, device=z.device)
-        return {"input_latents": normalise(vae_config, z)}
+        return {
+            "input_latents": normalise(vae_config, draw_latent(ctx, latent_mean, latent_logvar))
+        }
 
     return sample_latents
