@@ -80,6 +80,7 @@ def write_spec(
     paths: dict[str, str],
     checks: Any = None,
     split: dict[str, Any] | None = None,
+    holds_lease: bool = True,
 ) -> Path:
     """The JSON every rank reads (no pickle): config, cache key, where to write, what to train,
     and the launcher's split (`split`), which each rank's own plan must equal. `checks` is a
@@ -101,6 +102,7 @@ def write_spec(
         "settings": checks.settings if checks is not None else None,
         "samples_file": samples_file,
         "split": split,
+        "holds_lease": holds_lease,  # node 0's launcher holds the run's lease; others do not
     }
     path = run_dir / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -187,7 +189,14 @@ def train(
         run_dir = Path(paths["run_dir"])
         leases = [] if node_rank else hold_leases(config, paths, cancel, held)
         spec_path = write_spec(
-            config, run_id, prepared.cache_key, run_dir, paths, prepared, split=prepared.split
+            config,
+            run_id,
+            prepared.cache_key,
+            run_dir,
+            paths,
+            prepared,
+            split=prepared.split,
+            holds_lease=bool(leases),
         )
         staging.cleanup()  # the child's request and reply: not kept for the whole run
         for name in ("result.json", ERROR_FILE):  # metrics.jsonl is the run's record: kept
@@ -210,7 +219,8 @@ def train(
                 raise TrainingStoppedError(message) from None
             else:
                 reason = rank_error(run_dir)
-                if reason is None and (gone := deleted_place(paths)):  # error.json went with it
+                gone = deleted_place(paths, bool(leases)) if reason is None else None
+                if gone:  # its error.json went with it
                     reason = f"the folder {gone} was deleted while training"
                 if reason is None:
                     raise

@@ -62,12 +62,17 @@ def leased_places(paths: dict) -> list[str]:
     return keys
 
 
-def deleted_place(paths: dict) -> str | None:
+def deleted_place(paths: dict, lease_held_here: bool = True) -> str | None:
     """The run's local output or checkpoint folder, if it was deleted while the run wrote to
-    it: its lease file is gone (writers such as TensorBoard's may have made the folder again)."""
+    it: the folder is gone, or (where this node's launcher holds the lease, so its file must be
+    there) its lease file is (writers such as TensorBoard's may have made the folder again).
+    Another node's lease may be released when that node stops: only the folder counts there."""
     for key in leased_places(paths):
         url = paths[key]
-        if scheme_of(url) == "file" and not (Path(local_path(url)) / LEASE_NAME).exists():
+        if scheme_of(url) != "file":
+            continue
+        folder = Path(local_path(url))
+        if not folder.is_dir() or (lease_held_here and not (folder / LEASE_NAME).exists()):
             return url
     return None
 

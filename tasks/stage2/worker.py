@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
         # a write into a folder deleted mid-run: one line, not a traceback
-        gone = deleted_place(spec)
+        gone = deleted_place(spec, spec.get("holds_lease", True))
         if gone is None:
             raise
         reason = f"the folder {gone} was deleted while training ({type(error).__name__})"

@@ -31,5 +31,16 @@ def test_a_place_is_deleted_when_its_lease_file_is_gone_even_if_the_folder_came_
     assert deleted_place(run) == f"file://{tmp_path}/ckpt"
 
 
+def test_another_nodes_released_lease_is_not_a_deleted_folder(tmp_path):
+    """Node 0's launcher may release the lease when it stops; a node that does not hold it
+    judges only by the folder."""
+    (tmp_path / "out").mkdir()
+    run = paths(str(tmp_path / "out"), str(tmp_path / "out/checkpoints"))
+    assert deleted_place(run, lease_held_here=False) is None
+    assert deleted_place(run) == str(tmp_path / "out")
+    (tmp_path / "out").rmdir()
+    assert deleted_place(run, lease_held_here=False) == str(tmp_path / "out")
+
+
 def test_an_object_store_has_no_folder_to_lose():
     assert deleted_place(paths("s3://bucket/out/run", "s3://bucket/ckpt/run")) is None
