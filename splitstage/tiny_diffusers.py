@@ -127,47 +127,37 @@ def _clip_text(hidden: int, *, projection: bool, act: str = "quick_gelu") -> Any
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
 
 
+def _t5_settings(d_model: int) -> dict[str, Any]:
+    """A 2-layer T5 v1.1-style encoder's config fields (gated GELU, untied head) over
+    `t5_vocab()`: the same for T5 (SD3, FLUX) and UMT5 (Wan)."""
+    return {
+        "vocab_size": len(t5_vocab()),
+        "d_model": d_model,
+        "d_kv": 8,
+        "d_ff": 2 * d_model,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+    }
+
+
 def _t5_encoder(d_model: int = 32) -> Any:
-    """A 2-layer T5 v1.1-style encoder (gated GELU, untied head) over `t5_vocab()`."""
+    """A tiny T5 encoder (SD3's and FLUX's text encoder)."""
     from transformers import T5Config, T5EncoderModel
 
-    config = T5Config(
-        vocab_size=len(t5_vocab()),
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config)
+    return T5EncoderModel(T5Config(**_t5_settings(d_model)))
 
 
 def _umt5_encoder(d_model: int = 32) -> Any:
-    """A 2-layer UMT5 encoder (Wan's text encoder: per-layer relative attention bias) over
-    `t5_vocab()`."""
+    """A tiny UMT5 encoder (Wan's text encoder: per-layer relative attention bias)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    config = UMT5Config(
-        vocab_size=len(t5_vocab()),
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return UMT5EncoderModel(config)
+    return UMT5EncoderModel(UMT5Config(**_t5_settings(d_model)))
 
 
 def _qwen_vl(vocab_size: int, hidden: int = 32) -> Any:

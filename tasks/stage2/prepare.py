@@ -14,7 +14,6 @@ again, one line), an OSError as its errno, anything else as its traceback.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -25,6 +24,7 @@ from splitstage.splitter import UserError
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
+from splitstage.tasks.stage2.process_exit import leave
 
 SAMPLES_FILE = "samples.safetensors"  # staged here; the launcher moves it into the run folder
 
@@ -87,14 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     partial.write_text(json.dumps(reply))
     partial.replace(reply_path)
     return code
-
-
-def leave(code: int) -> None:
-    """Flush and exit without the interpreter's teardown of torch and the family (0.1-0.5 s of
-    the launch's critical path here): the reply is already on disk."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

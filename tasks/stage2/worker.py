@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.distributed import close_distributed
 from splitstage.tasks.stage2.outputs import ERROR_FILE, deleted_place
+from splitstage.tasks.stage2.process_exit import leave
 from splitstage.tasks.stage2.trainer import Trainer
 
 
@@ -61,16 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         close_distributed()
     return 0
-
-
-def leave(code: int) -> None:
-    """Flush and exit without the interpreter's teardown: a gloo thread still alive while
-    Python and C++ statics are torn down aborts a rank ("terminate called without an active
-    exception") after its results were written, failing a finished run (seen in CI, tp runs)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 
 LEAVE = (
     "import sys\n"
-    "from splitstage.tasks.stage2.worker import leave\n"
+    "from splitstage.tasks.stage2.process_exit import leave\n"
     "print('written', end='')\n"
     "print('to stderr', end='', file=sys.stderr)\n"
     "leave(3)\n"
