@@ -151,10 +151,11 @@ class VideoConfig(Group):
         description="'first': from the first frame, at the stride or fps; 'uniform': num_frames "
         "spread evenly over the whole video.",
     )
-    short_clips: Literal["refuse", "repeat_last"] = Field(
+    short_clips: Literal["refuse", "repeat_last", "shorten"] = Field(
         "refuse",
-        description="A video with fewer frames than a clip needs: refuse the row by name, or "
-        "pad the clip with its last frame.",
+        description="A video with fewer frames than a clip needs: refuse the row by name, "
+        "pad the clip with its last frame, or shorten the clip to the largest 4k+1 frames the "
+        "video has (DiffSynth's rule: clips then fall into frame-count buckets).",
     )
 
     @field_validator("num_frames")

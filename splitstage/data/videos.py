@@ -13,8 +13,10 @@ Choices (the same for every file, so a clip depends only on the file's bytes and
   so sparse that a clip needs more than MAX_EXTRA_DECODED extra decoded frames is refused.
 - the stream's display rotation (phone videos) is applied: frames come out as viewers show them.
   Rotations that are not a multiple of 90 degrees, and display matrices that mirror, are refused.
-- a video with fewer frames than a clip needs is refused by name (`short_clips = "refuse"`) or
-  padded with its last frame (`"repeat_last"`); a file with no decodable frame is always refused.
+- a video with fewer frames than a clip needs is refused by name (`short_clips = "refuse"`),
+  padded with its last frame (`"repeat_last"`) or cut to the largest 4k+1 frames it has
+  (`"shorten"`, as DiffSynth's video loader does: clips then fall into frame-count buckets); a
+  file with no decodable frame is always refused.
 - the first video stream is used; audio and other streams are ignored.
 """
 
@@ -82,6 +84,7 @@ class Clip:
     fps: float  # the stream's average frame rate
     rotation: int  # display rotation applied, degrees counterclockwise
     padded: int = 0  # frames repeated at the end (short_clips = "repeat_last")
+    shortened: int = 0  # frames the clip is short of num_frames (short_clips = "shorten")
     fetched: int | None = None  # bytes read from an object store (None: a local file)
 
 
@@ -317,6 +320,15 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
     if not frames:
         raise _refuse(where, shown, NO_FRAMES)
     padded = len(times) - len(frames)
+    if padded and settings.short_clips == "shorten":
+        kept = shortened_length(len(frames))
+        return Clip(
+            frames=frames[:kept],
+            decoded=decoded,
+            fps=fps,
+            rotation=rotation or 0,
+            shortened=len(times) - kept,
+        )
     if padded and settings.short_clips != "repeat_last":
         said = f"; its header says {header_frames} (truncated?)" if header_frames else ""
         raise _refuse(
@@ -324,10 +336,15 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
             shown,
             f"gives {len(frames)} of the {len(times)} frames a clip needs{said}; lower "
             "data.video.num_frames or frame_stride, set data.video.short_clips = "
-            "'repeat_last', or remove the row",
+            "'shorten' or 'repeat_last', or remove the row",
         )
     frames += [frames[-1]] * padded
     return Clip(frames=frames, decoded=decoded, fps=fps, rotation=rotation or 0, padded=padded)
+
+
+def shortened_length(available: int) -> int:
+    """The largest 4k+1 frame count within `available` frames (a video VAE's clip lengths)."""
+    return available - (available - 1) % 4
 
 
 def read_clip(

@@ -25,7 +25,7 @@ from splitstage.config.job import ConfigError, config_from_dict  # noqa: E402
 from splitstage.data.dataset import load_metadata  # noqa: E402
 from splitstage.pipelines.draws import Draws  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
-from splitstage.tasks.job_plan import make_plan  # noqa: E402
+from splitstage.tasks.job_plan import make_plan, open_cache  # noqa: E402
 from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
 from splitstage.tasks.stage1.validation_prompts import encode  # noqa: E402
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
@@ -146,6 +146,23 @@ def test_the_plan_caches_prompts_and_clip_latents_and_keys_the_frame_settings(ro
     assert make_plan(job(root, "plan", pipeline=per_step)).cache_key == plan.cache_key
     sample = plan.family.load_sample(load_metadata(root / "data")[0], root / "data")
     assert sample["video"].shape == (FRAMES, 3, SIDE, SIDE)
+
+
+def test_shorten_puts_short_clips_in_frame_buckets_cached_and_counted_apart(root):
+    """short_clips = 'shorten' at 9 frames, stride 2: the 6- and 8-frame clips train at 5 frames,
+    the 9- and 11-frame ones at 9, the images at 1; each frame count is its own cache group
+    (1, 2 and 3 latent frames), counted apart in the cache's stats as stage 2 batches them."""
+    config = job(root, "frames", video={"num_frames": 9, "short_clips": "shorten"})
+    plan = make_plan(config)
+    assert plan.cache_key != make_plan(job(root, "frames", video={"num_frames": 9})).cache_key
+    rows = load_metadata(root / "data")
+    frames = [plan.family.load_sample(row, root / "data")["video"].shape[0] for row in rows]
+    assert frames == [5, 5, 9, 9, 1, 1]
+    assert preprocess(config, workers=1, progress=False).computed == 6
+    groups = open_cache(config, plan).stats().buckets
+    assert sorted(groups.values()) == [2, 2, 2]
+    latent_frames = sorted(label.split("latent_mean 4x")[1][0] for label in groups)
+    assert latent_frames == ["1", "2", "3"], groups
 
 
 def diffusers_loss(pipe, transformer, batch) -> torch.Tensor:

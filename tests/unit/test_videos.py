@@ -147,9 +147,27 @@ def test_short_clips_refused_by_row_or_padded(clips):
         decode(clips / "seven.mkv", num_frames=9)
     message = str(caught.value)
     assert "\n" not in message and message.startswith("metadata.csv row 2: video file ")
-    assert "gives 7 of the 9 frames" in message and "short_clips = 'repeat_last'" in message
+    assert "gives 7 of the 9 frames" in message
+    assert "short_clips = 'shorten' or 'repeat_last'" in message
     clip = decode(clips / "seven.mkv", num_frames=9, short_clips="repeat_last")
     assert indices(clip) == [0, 1, 2, 3, 4, 5, 6, 6, 6] and clip.padded == 2
+
+
+@pytest.mark.parametrize(
+    ("num_frames", "stride", "expected"),
+    [(9, 1, [0, 1, 2, 3, 4]), (13, 1, [0, 1, 2, 3, 4]), (5, 1, [0, 1, 2, 3, 4]), (9, 2, [0])],
+)
+def test_shorten_cuts_a_short_video_to_its_largest_4k_plus_1_frames(
+    clips, num_frames, stride, expected
+):
+    """DiffSynth's rule for short videos: the largest 4k+1 frames the file has (7 -> 5; at
+    stride 2 it has 4 -> 1); a video long enough is not cut."""
+    clip = decode(
+        clips / "seven.mkv", num_frames=num_frames, frame_stride=stride, short_clips="shorten"
+    )
+    assert indices(clip) == expected and clip.padded == 0
+    assert clip.shortened == num_frames - len(expected)
+    assert len(decode(clips / "short.mp4", num_frames=9, short_clips="shorten").frames) == 9
 
 
 def test_bad_files_give_one_line_naming_the_row(clips, tmp_path):
