@@ -84,6 +84,22 @@ def filmstrip(clips: torch.Tensor, count: int = 4) -> torch.Tensor:
     return torch.cat([clips[:, index] for index in picked], dim=-1)
 
 
+def clip_gif(clip: torch.Tensor, fps: float = 16.0) -> bytes:
+    """One clip [F, 3, H, W] in [-1, 1] as a looping animated GIF: the animation TensorBoard's
+    image dashboard and W&B's video panel play (256 colours; the WebP file is the lossless one)."""
+    frames = to_pil(clip)
+    buffer = io.BytesIO()
+    frames[0].save(
+        buffer,
+        format="GIF",
+        save_all=True,
+        append_images=frames[1:],
+        duration=max(1, round(1000 / fps)),
+        loop=0,
+    )
+    return buffer.getvalue()
+
+
 def clip_webp(clip: torch.Tensor, fps: float = 16.0) -> bytes:
     """One clip [F, 3, H, W] in [-1, 1] as a looping lossless animated WebP (browsers and the
     dashboard play it; no video codec needed)."""

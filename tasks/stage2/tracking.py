@@ -1,6 +1,7 @@
 """Experiment trackers through accelerate: TensorBoard by default when installed, W&B when
-configured; loss, learning rate, throughput and the validation grids. Optional: nothing breaks
-without them, and a tracker failing to log is a line in the log, never a failed run."""
+configured; loss, learning rate, throughput, the validation grids and a video family's clips.
+Optional: nothing breaks without them, and a tracker failing to log is a line in the log, never
+a failed run."""
 
 from __future__ import annotations
 
@@ -115,9 +116,44 @@ class Tracking:
             elif hasattr(tracker, "log_images"):
                 self.guard(tracker.log_images, {tag: [image]}, update)
 
+    def clips(self, update: int, gifs: list[bytes], tag: str = "samples") -> None:
+        """A video family's validation clips (animated GIFs, prompt-major) as `tag/clip-NN`:
+        TensorBoard plays a GIF in its image dashboard, W&B in its video panel."""
+        if not self.active:
+            return
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                self.guard(_tensorboard_gifs, tracker.tracker, update, gifs, tag)
+            elif tracker.name == "wandb":
+                self.guard(_wandb_gifs, tracker.tracker, update, gifs, tag)
+
     def end(self) -> None:
         """Flush and close the trackers (not accelerate's end_training: that would also tear
         down the process group the export still needs)."""
         if self.active:
             for tracker in self.accelerator.trackers:
                 self.guard(tracker.finish)
+
+
+def _tensorboard_gifs(writer, update: int, gifs: list[bytes], tag: str) -> None:
+    """Each GIF as an encoded image summary (what torch's add_video writes, without moviepy)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    for index, gif in enumerate(gifs):
+        with Image.open(io.BytesIO(gif)) as image:
+            width, height = image.size
+        picture = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif)
+        summary = Summary(value=[Summary.Value(tag=f"{tag}/clip-{index:02d}", image=picture)])
+        writer._get_file_writer().add_summary(summary, update)  # add_video's own path
+    writer.flush()
+
+
+def _wandb_gifs(run, update: int, gifs: list[bytes], tag: str) -> None:
+    """Each GIF as a wandb.Video (from bytes: no moviepy or ffmpeg needed)."""
+    import wandb
+
+    videos = {
+        f"{tag}/clip-{index:02d}": wandb.Video(io.BytesIO(gif), format="gif")
+        for index, gif in enumerate(gifs)
+    }
+    run.log(videos, step=update)

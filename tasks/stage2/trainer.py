@@ -187,6 +187,7 @@ class Trainer:
             log=self.log,
             autocast=self.accelerator.autocast,
             on_grid=self.tracking.grid,
+            on_clips=self.tracking.clips,
         )
         params = self.stage2.parameters()
         if not params:

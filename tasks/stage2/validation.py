@@ -22,7 +22,7 @@ from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.config.monitoring import size_label
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
-from splitstage.pipelines.sampling_common import clip_webp, filmstrip, grid_png
+from splitstage.pipelines.sampling_common import clip_gif, clip_webp, filmstrip, grid_png
 from splitstage.storage.files import join, write_atomic
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.validation_prompts import Conditioning, encode, read_validation_prompts
@@ -87,12 +87,14 @@ class Validator:
         log: Callable[[str], None],
         autocast: Callable[[], Any] = contextlib.nullcontext,
         on_grid: Callable[[int, bytes, str], None] | None = None,
+        on_clips: Callable[[int, list[bytes], str], None] | None = None,
     ):
         self.config, self.plan, self.models, self.device = config, plan, models, device
         self.settings = config.validation
         self.output_url = output_url
         self.is_main, self.log, self.autocast = is_main, log, autocast
         self.on_grid = on_grid  # e.g. the trackers' image logging: (update, png, tag)
+        self.on_clips = on_clips  # a video family's clips as GIFs: (update, gifs, tag)
         self.samples: dict[int, str] = {}  # update -> the first grid's URL (the run report's)
         self.grids: dict[int, list[str]] = {}  # update -> every grid's URL, in size order
         self.sizes: list[Size | None] = list(self.settings.sample_sizes()) or [None]
@@ -200,6 +202,9 @@ class Validator:
             write_atomic(fs, join(root, SAMPLES_FOLDER, name), clip_webp(clip, fps))
             urls.append(f"{self.output_url.rstrip('/')}/{SAMPLES_FOLDER}/{name}")
         self.log(f"sample clips update {update}: {len(urls)} animated WebP, {urls[0]} ...")
+        if self.on_clips is not None:
+            tag = GRID_TAG if size is None else f"{GRID_TAG}/{size_label(*size)}"
+            self.on_clips(update, [clip_gif(clip, fps) for clip in clips], tag)
         return urls
 
     def write_grid(self, update: int, size: Size | None, images: torch.Tensor) -> str:

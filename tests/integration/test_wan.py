@@ -10,6 +10,7 @@ Run: .venv/bin/pytest -m slow tests/integration/test_wan.py
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -36,6 +37,7 @@ from splitstage.tasks.stage2.parallelize import find_blocks  # noqa: E402
 from splitstage.tiny_diffusers import write_tiny_folder  # noqa: E402
 from tests.helpers.stage2_step import seed_adapters, trained_model  # noqa: E402
 from tests.helpers.video_files import write_video  # noqa: E402
+from tests.helpers.wandb_records import history  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -364,9 +366,9 @@ def trained_from_checkpoint(config, report):
     return plan, model
 
 
-def run(config, root: Path):
+def run(config, root: Path, env: dict[str, str] | None = None):
     """Train through the real launcher (torchrun, gloo)."""
-    return train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    return train(config, run_root=root / "runs", env=ENV | (env or {}), on_line=lambda line: None)
 
 
 def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_pipeline_loads(
@@ -390,8 +392,11 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
         tp_degree=2,
         max_steps=3,
     )
+    config.tracking.report_to = ["tensorboard", "wandb"]
+    wandb_home = root / "wandb-home"
+    wandb_env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_home), "WANDB_SILENT": "true"}
     assert preprocess(config, workers=1, progress=False).computed == 6
-    report = run(config, root)
+    report = run(config, root, wandb_env)
     assert report.updates == 3 and all(math.isfinite(loss) for loss in report.losses)
     assert report.models_loaded == ["transformer"]
     grid = Path(report.samples["3"])
@@ -400,6 +405,20 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
     for index in range(len(PROMPTS)):
         with Image.open(grid.with_name(f"{grid.stem}-{index:02d}.webp")) as clip:
             assert clip.is_animated and clip.n_frames == FRAMES and clip.size == (SIDE, SIDE)
+    # the trackers get each clip as an animated GIF: TensorBoard's images, W&B's videos
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(report.run_dir) / "tracking" / "split")).Reload()
+    clip_tags = [f"samples/clip-{index:02d}" for index in range(len(PROMPTS))]
+    assert set(clip_tags) <= set(events.Tags()["images"])
+    (shown,) = events.Images(clip_tags[0])
+    assert shown.step == 3
+    with Image.open(io.BytesIO(shown.encoded_image_string)) as gif:
+        assert gif.format == "GIF" and gif.n_frames == FRAMES and gif.size == (SIDE, SIDE)
+    (offline,) = (wandb_home / "wandb").glob("offline-run-*/run-*.wandb")
+    (row,) = [row for row in history(offline) if clip_tags[0] + "/_type" in row]
+    assert row[clip_tags[0] + "/_type"] == "video-file" and row["_step"] == 3
+    assert len(list(offline.parent.glob("files/media/videos/samples/*.gif"))) == len(PROMPTS)
     unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit", max_steps=3)
     assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
 
