@@ -24,6 +24,7 @@ pytest.importorskip("av")
 
 from splitstage.config.job import ConfigError, config_from_dict  # noqa: E402
 from splitstage.data.dataset import load_metadata  # noqa: E402
+from splitstage.data.index import index_data_set  # noqa: E402
 from splitstage.pipelines.draws import Draws  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
 from splitstage.tasks.job_plan import make_plan, open_cache  # noqa: E402
@@ -73,7 +74,18 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, lora=None, **train):
+def job(
+    root: Path,
+    name: str,
+    *,
+    pipeline=None,
+    video=None,
+    validation=None,
+    lora=None,
+    data=None,
+    cache=None,
+    **train,
+):
     """A LoRA job (rank 4, alpha 8) on the tiny folder: 64 px, 5-frame clips, fp32."""
     settings = {"name": "wan", "pretrained": str(root / "wan"), "resolution": SIDE}
     settings |= {"precision": "fp32", "max_prompt_length": LENGTH} | (pipeline or {})
@@ -89,8 +101,9 @@ def job(root: Path, name: str, *, pipeline=None, video=None, validation=None, lo
             "data": {
                 "base_path": str(root / "data"),
                 "video": {"num_frames": FRAMES, "frame_stride": 2} | (video or {}),
-            },
-            "cache": {"url": str(root / "cache"), "shard_samples": 4},
+            }
+            | (data or {}),
+            "cache": {"url": str(root / "cache"), "shard_samples": 4} | (cache or {}),
             "train": {"batch_size": 2, "max_steps": 2, "log_every": 1, "learning_rate": 1e-2}
             | train,
             "output": {"url": str(root / "out")},
@@ -441,3 +454,32 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
         with torch.no_grad():
             loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
         torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
+
+
+def test_clips_in_a_bucket_train_split_as_unsplit_and_export(root, s3_bucket):
+    """The same clips and images in a bucket (moto S3 on loopback): the same sample keys and
+    cache key as on disk; stage 1 seeks in the block-cached objects and writes its cache to the
+    bucket; split training from that cache gives the losses of unsplit training, which decodes
+    the clips from the bucket every step; the LoRA exports."""
+    import s3fs
+
+    url, options = s3_bucket
+    fs = s3fs.S3FileSystem(**options)
+    for path in sorted((root / "data").rglob("*")):
+        if path.is_file():
+            fs.put(str(path), f"{url}/data/{path.relative_to(root / 'data').as_posix()}")
+    endpoint = {"storage_options": {"endpoint_url": options["client_kwargs"]["endpoint_url"]}}
+    data = {"base_path": f"{url}/data"} | endpoint
+    cache = {"url": f"{url}/cache"} | endpoint
+
+    def on_s3(name: str, **settings):
+        return job(root, name, data=data, cache=cache, max_steps=2, **settings)
+
+    split = on_s3("s3-split")
+    assert index_data_set(split).keys == index_data_set(job(root, "local")).keys
+    assert make_plan(split).cache_key == make_plan(job(root, "local")).cache_key
+    assert preprocess(split, workers=1, progress=False).computed == 6
+    report = run(split, root)
+    assert report.updates == 2 and Path(report.outputs["transformer"]).is_file()
+    unsplit = run(on_s3("s3-unsplit", mode="unsplit"), root)
+    assert unsplit.losses == pytest.approx(report.losses, rel=1e-5)
