@@ -5,7 +5,9 @@ columns, one row also `cfg_scale`). The plan caches the row-seeded noise with th
 embeddings (the noise unit is V2, never run per step) under a cache key of its own; the loss
 equals FluxPipeline's own sampling (its scheduler steps, the same seed, no grad) against the
 image's latents; a real split run (torchrun, 1 rank) starts from that loss, equals the unsplit
-run and exports a LoRA; a row without its seed is one line.
+run and exports a LoRA (diffusers' layout and kohya's) that FluxPipeline.load_lora_weights loads
+into the transformer, whose few-step sampling then reproduces the trained model's; a row without
+its seed is one line.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.data.dataset import load_metadata
 from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.diffusers.packing import pack
+from splitstage.pipelines.diffusers.sampling import flux_loop
 from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
 from splitstage.tasks.stage2.launch import train
 from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.stage2_step import trained_model
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -73,15 +78,22 @@ def job(root: Path, name: str, task: str = "direct_distill", pipeline=None, **tr
     )
 
 
-def our_loss(config, transformer) -> tuple[torch.Tensor, dict]:
-    """Both rows through the plan's V2 then V1 units and the family's loss, with `transformer`."""
+def stage1_batch(config) -> tuple:
+    """(plan, both rows through the plan's V2 units): what stage 1 caches, computed in place."""
     plan = make_plan(config)
     family = plan.family
     rows = load_metadata(config.data.base_path, config.data.metadata_path)
     batch = collate_samples([family.load_sample(r, config.data.base_path) for r in rows])
     frozen = {name: family.build_model(name, CPU) for name in plan.split.models["stage1"]}
+    run_units(plan.v2_units, StepContext(frozen, CPU, settings=family.settings()), batch)
+    return plan, batch
+
+
+def our_loss(config, transformer) -> tuple[torch.Tensor, dict]:
+    """Both rows through the plan's V2 then V1 units and the family's loss, with `transformer`."""
+    plan, batch = stage1_batch(config)
+    family = plan.family
     settings = family.settings()
-    run_units(plan.v2_units, StepContext(frozen, CPU, settings=settings), batch)
     draws = Draws.shared(torch.Generator().manual_seed(5))
     ctx = StepContext({"transformer": transformer}, CPU, draws, settings)
     run_units(plan.v1_units, ctx, batch)
@@ -115,6 +127,31 @@ def reference_loss(config) -> float:
             ).images
             errors.append(F.mse_loss(final.float(), target.float()))
     return float(torch.stack(errors).mean())
+
+
+def few_step_latents(plan, batch, transformer) -> torch.Tensor:
+    """Each row's few-step loop from its cached noise (its teacher's steps and guidance), no
+    grad: the packed final latents direct distillation trains, with `transformer`."""
+    family = plan.family
+    ctx = StepContext({"transformer": transformer}, CPU, settings=family.settings())
+    finals = []
+    with torch.no_grad():
+        for index, teacher in enumerate(TEACHER):
+            cond = {name: batch[name][index : index + 1] for name in family.denoiser_params}
+            noise = batch["distill_noise"][index : index + 1]
+            steps, guidance = teacher["num_inference_steps"], teacher.get("cfg_scale", GUIDANCE)
+            finals.append(
+                flux_loop(family, transformer, ctx, noise, cond, steps=steps, guidance=guidance)
+            )
+    return torch.cat(finals)
+
+
+def trained_from_checkpoint(config, report):
+    """The transformer as the run left it: stage 2's build (LoRA), then its last DCP checkpoint."""
+    plan, model = trained_model(config)
+    step = latest_checkpoint(report.checkpoint_url, clean=False)
+    load_checkpoint(report.checkpoint_url, step, model, None, restore_rng=False)
+    return plan, model
 
 
 def test_plan_caches_the_seeded_noise_with_the_embeddings(root):
@@ -154,7 +191,7 @@ def test_loss_equals_flux_pipelines_own_sampling_and_has_gradients(root):
 
 
 def test_split_training_runs_equals_unsplit_and_exports(root):
-    config = job(root, "split")
+    config = job(root, "split", learning_rate=1e-3)  # one update moves the LoRA visibly
     assert preprocess(config, workers=1, progress=False).computed == 2
     report = train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
     expected = reference_loss(config)
@@ -162,9 +199,26 @@ def test_split_training_runs_equals_unsplit_and_exports(root):
     assert abs(report.losses[0] - expected) <= 1e-5 * max(1.0, expected)  # LoRA starts at base
     assert report.models_loaded == ["transformer"]
     assert Path(report.outputs["transformer"]).is_file()
-    unsplit = job(root, "unsplit", mode="unsplit")
+    unsplit = job(root, "unsplit", mode="unsplit", learning_rate=1e-3)
     unsplit = train(unsplit, run_root=root / "runs", env=ENV, on_line=lambda line: None)
     assert unsplit.losses == pytest.approx(report.losses, rel=1e-5)
+
+    # The export loads with FluxPipeline.load_lora_weights and samples as the trained model does.
+    from diffusers import FluxPipeline
+
+    _, batch = stage1_batch(config)
+    plan, trained = trained_from_checkpoint(config, report)
+    expected = few_step_latents(plan, batch, trained)
+    for lora in (
+        Path(report.outputs["transformer"]).parent,  # diffusers' layout
+        Path(report.outputs["transformer_kohya"]),  # kohya's names
+    ):
+        pipe = FluxPipeline.from_pretrained(config.pipeline.pretrained)
+        base = few_step_latents(plan, batch, pipe.transformer)
+        assert not torch.allclose(base, expected, atol=1e-5)  # the LoRA learned something
+        pipe.load_lora_weights(str(lora))
+        loaded = few_step_latents(plan, batch, pipe.transformer)
+        torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
 
 
 def test_a_row_without_the_teachers_seed_is_one_line(root):
