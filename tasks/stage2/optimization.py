@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from splitstage.config.job import ConfigError, TrainConfig
+from splitstage.tasks.stage2.checkpoint import CheckpointError
 
 # name -> (package to import, pip name, "module:Class")
 OPTIMIZERS = {
@@ -220,8 +221,42 @@ class TrainedAverage:
         return self.ema.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint's average."""
-        self.ema.load_state_dict(dict(state))
+        """Restore a checkpoint's average onto the parameters' devices; refuse one of another
+        parameter list (EMAModel would pair the lists by position and silently truncate)."""
+        shadow = state["shadow_params"]
+        if not isinstance(shadow, list):
+            raise CheckpointError(
+                "the checkpoint's EMA is keyed by parameter name (a train.parallelism='pp' "
+                "checkpoint); resume it with the parallelism it was saved with"
+            )
+        shapes = [tuple(t.shape) for t in shadow]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise CheckpointError(
+                f"the checkpoint's EMA holds {len(shadow)} tensors that do not match the "
+                f"{len(self.params)} trained parameters; resume with the config it was saved "
+                "with, or delete the checkpoints to start over"
+            )
+        moved = [t.to(p.device) for t, p in zip(shadow, self.params, strict=True)]
+        self.ema.load_state_dict({**state, "shadow_params": moved})
+
+    def state_by_name(self, names: Sequence[str]) -> dict[str, Any]:
+        """The state with the averaged tensors keyed by parameter name, on CPU: ranks holding
+        other parameters (pipeline stages) merge theirs into one state any layout can load."""
+        state = self.ema.state_dict()
+        shadow = [t.detach().cpu().contiguous() for t in state["shadow_params"]]
+        return {**state, "shadow_params": dict(zip(names, shadow, strict=True))}
+
+    def load_state_by_name(self, state: dict[str, Any], names: Sequence[str]) -> None:
+        """Restore this rank's parameters' averages from a state `state_by_name` merged."""
+        shadow = state["shadow_params"]
+        missing = [name for name in names if name not in shadow]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint's EMA lacks {len(missing)} trained parameters (first: "
+                f"{missing[0]}); resume with the config it was saved with, or delete the "
+                "checkpoints to start over"
+            )
+        self.load_state_dict({**state, "shadow_params": [shadow[name] for name in names]})
 
     def swapped_in(self, use: Callable[[], Any]) -> Any:
         """Run `use()` with the averaged values in the parameters, then put the trained back."""

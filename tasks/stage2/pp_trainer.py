@@ -8,6 +8,9 @@ Every rank reads the same batch and draws the same noise and timesteps, so the f
 the pipeline and the last compares its output with the flow-matching target; the last stage's loss
 is broadcast. Checkpoints hold each stage's module and optimizer under global FQNs (disjoint across
 stages); the export gathers every stage's trained tensors on rank 0 into one safetensors file.
+With [train.ema] each stage averages its own parameters: the checkpoint keeps every stage's
+average under global FQNs (merged on rank 0), each stage restores its own, and the export writes
+`<name>_ema` beside the weights.
 
 Selected with `train.parallelism = "pp"`; `check_pp_config` refuses bad settings before launch.
 """
@@ -33,8 +36,9 @@ from splitstage.splitter import (
 )
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, adapt_trained
+from splitstage.tasks.stage2.optimization import TrainedAverage
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
-from splitstage.tasks.stage2.trainer import Trainer, to_device
+from splitstage.tasks.stage2.trainer import Trainer, require_finite, to_device
 
 STAGES = "train.nnodes * train.nproc_per_node"
 
@@ -193,21 +197,73 @@ class PipelineTrainer(Trainer):
         dist.broadcast(value, src=self.dist.world_size - 1)
         return float(value)
 
-    def export(self) -> dict[str, str]:
-        """Gather every stage's trained tensors on rank 0 and write them as one file."""
-        denoiser = self.family.denoiser
-        model = self.stage2.models[denoiser]
+    def trained_names(self) -> list[str]:
+        """Global FQNs of this stage's trained parameters, in `stage2.parameters()` order."""
+        model = self.stage2.models[self.family.denoiser]
+        return [name for name, param in model.named_parameters() if param.requires_grad]
+
+    def ema_state(self) -> dict[str, Any] | None:
+        """Every stage's EMA on rank 0, its tensors keyed by global FQN (disjoint across
+        stages), so each stage of a resume finds its own, whatever the stage layout."""
+        if self.average is None:
+            return None
+        state = self.average.state_by_name(self.trained_names())
+        shadow = state.pop("shadow_params")
+        blobs = [None] * self.dist.world_size if self.dist.is_main else None
+        dist.gather_object(safetensors_bytes(shadow), blobs, dst=0)  # pickles only bytes
+        if not self.dist.is_main:
+            return None  # only rank 0 writes the extra state
+        merged: dict[str, torch.Tensor] = {}
+        for blob in blobs or []:
+            merged.update(safetensors_load(blob))
+        return {**state, "shadow_params": merged}
+
+    def load_ema(self, state: dict[str, Any], step: int) -> None:
+        """This stage's averages from the merged state; an average not keyed by parameter (a
+        pipeline checkpoint from before each stage's was kept: stage 0's list only) cannot be
+        told apart by stage, so the EMA restarts from the resumed weights, saying so."""
+        assert self.average is not None
+        if isinstance(state["shadow_params"], dict):
+            self.average.load_state_by_name(state, self.trained_names())
+            return
+        train = self.config.train
+        self.average = TrainedAverage(
+            self.stage2.parameters(), train.ema.decay, train.ema.start_update
+        )
+        self.log(
+            f"checkpoint step {step}: its EMA is not keyed by parameter (saved before each "
+            "pipeline stage's average was kept), so the EMA restarts from the resumed weights"
+        )
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """Every stage's trained tensors, merged on rank 0 (collective; empty elsewhere)."""
+        model = self.stage2.models[self.family.denoiser]
         own = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
         blobs = [None] * self.dist.world_size if self.dist.is_main else None
         dist.gather_object(safetensors_bytes(own), blobs, dst=0)  # pickles only bytes
         merged: dict[str, torch.Tensor] = {}
         for blob in blobs or []:
             merged.update(safetensors_load(blob))
-        return export_weights(
-            self.config,
-            self.family,
-            self.stage2,
-            self.spec,
-            states={denoiser: merged},
-            steps=self.total_updates,
-        )
+        return merged
+
+    def export(self) -> dict[str, str]:
+        """Gather every stage's trained tensors on rank 0 and write them as one file; with
+        [train.ema], the average beside them as `<name>_ema`, like the other modes."""
+        require_finite(self.stage2.parameters(), self.dist.device)
+        denoiser = self.family.denoiser
+
+        def write(states: dict[str, torch.Tensor], suffix: str = "") -> dict[str, str]:
+            return export_weights(
+                self.config,
+                self.family,
+                self.stage2,
+                self.spec,
+                states={denoiser: states},
+                steps=self.total_updates,
+                suffix=suffix,
+            )
+
+        written = write(self.gathered())
+        if self.average is not None:
+            written |= write(self.average.swapped_in(self.gathered), "_ema")
+        return written

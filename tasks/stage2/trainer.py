@@ -312,7 +312,7 @@ class Trainer:
             [self.optimizer],
             {
                 "scheduler": self.scheduler.state_dict(),
-                "ema": self.average.state_dict() if self.average else None,
+                "ema": self.ema_state(),
                 **self.state.state_dict(),
                 "settings": self.spec.get("settings"),
             },
@@ -338,9 +338,18 @@ class Trainer:
             self.optimizer, self.config.train, self.total_updates, done
         )
         if self.average is not None and extra.get("ema") is not None:
-            self.average.load_state_dict(extra["ema"])
+            self.load_ema(extra["ema"], step)
         self.state.load_state_dict(extra, self.updates_per_epoch, self.samples_per_update)
         self.log(f"resumed from checkpoint step {step}")
+
+    def ema_state(self) -> dict[str, Any] | None:
+        """The EMA's state for the checkpoint (collective where ranks hold other parameters)."""
+        return self.average.state_dict() if self.average else None
+
+    def load_ema(self, state: dict[str, Any], step: int) -> None:
+        """Restore the EMA from checkpoint `step`'s state (what `ema_state` saved)."""
+        assert self.average is not None
+        self.average.load_state_dict(state)
 
     # -- the loop ---------------------------------------------------------------------------------
     def log(self, line: str) -> None:
@@ -355,11 +364,21 @@ class Trainer:
         self.step_seconds.append(seconds)
         if self.dist.is_main:
             lr = self.scheduler.get_last_lr()[0]
+            memory = self.peak_memory()
             figures = {"update": update, "loss": loss, "grad_norm": grad_norm, "lr": lr}
-            append_metrics(self.run_dir, {**figures, "s": seconds})
+            append_metrics(self.run_dir, {**figures, "s": seconds, **memory})
             rate = self.samples_per_update / seconds if seconds > 0 else 0.0
             scalars = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": rate}
-            self.tracking.scalars(update, scalars)
+            self.tracking.scalars(update, scalars | memory)
+
+    def peak_memory(self) -> dict[str, float]:
+        """This process's peak memory since it started, in GiB: the resident set (Linux
+        ru_maxrss, KiB) and, on a GPU, what torch's CUDA allocator held at most."""
+        peak = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        if self.dist.device.type == "cuda":
+            allocated = torch.cuda.max_memory_allocated(self.dist.device)
+            peak["peak_cuda_allocated_gib"] = allocated / 2**30
+        return peak
 
     def run(self) -> dict[str, Any]:
         """Train from the latest checkpoint to the end, then export the weights (rank 0)."""

@@ -90,7 +90,11 @@ def test_prompts_are_encoded_beside_the_cache_and_grids_are_written(root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(Path(report.run_dir) / "tracking" / "sampled")).Reload()
-    assert {"loss", "grad_norm", "lr", "samples_per_s"} <= set(events.Tags()["scalars"])
+    scalars = {"loss", "grad_norm", "lr", "samples_per_s", "peak_rss_gib"}
+    assert scalars <= set(events.Tags()["scalars"])
+    assert all(s.value > 0 for s in events.Scalars("peak_rss_gib"))  # rank 0's peak, in GiB
+    log = read_metrics(Path(report.run_dir))
+    assert len(log) == 2 and all(0 < record["peak_rss_gib"] < 1024 for record in log)
     assert [e.step for e in events.Images("samples")] == [1, 2]
     assert [s.step for s in events.Scalars("loss")] == [1, 2]
 
@@ -121,6 +125,7 @@ def test_wandb_offline_gets_the_figures_and_the_grids(root):
     assert [row["_step"] for row in rows] == [1, 2]
     assert [row["loss"] for row in rows] == pytest.approx(report.losses)
     assert all(row["grad_norm"] > 0 and row["lr"] == 1e-3 for row in rows)
+    assert all(0 < row["peak_rss_gib"] < 1024 for row in rows)  # GiB, not KiB
     assert all(row["samples/_type"] == "images/separated" for row in rows)  # the grids
     assert len(list(offline.parent.glob("files/media/images/samples_*.png"))) == 2
 
