@@ -1,4 +1,4 @@
-"""Leaving a stage-2 process (a rank, the set-up child) once its results are on disk."""
+"""Leaving a process that ran torch (a rank, the set-up child, the CLI) once its results are out."""
 
 from __future__ import annotations
 

@@ -79,3 +79,37 @@ def test_the_torchrun_agent_runs_torchrun(tmp_path):
     )
     assert failed.returncode == 1
     assert "ChildFailedError" in failed.stderr and "exitcode" in failed.stderr
+
+
+CONSOLE = (
+    "import atexit, sys\n"
+    "import splitstage.cli as cli\n"
+    "class Finalized:\n"  # a module global's __del__ runs in the interpreter's finalization
+    "    def __del__(self):\n"
+    "        print('finalized', flush=True)\n"
+    "kept = Finalized()\n"
+    "real_main = cli.main\n"
+    "def main(argv=None):\n"  # a handler registered while a command runs (a Prefect server's)
+    "    atexit.register(print, 'exit handler ran')\n"
+    "    return real_main(argv)\n"
+    "cli.main = main\n"
+    "sys.argv = ['splitstage', *sys.argv[1:]]\n"
+    "cli.console()\n"
+)
+
+
+def test_the_console_script_runs_exit_handlers_then_skips_finalization():
+    """The CLI leaves with its code after the exit handlers, without the interpreter's
+    finalization (where a thread that ran torch ops can abort the process: exit 134)."""
+    for args, code in (
+        (["validate", "/nonexistent/job.toml"], 2),  # a user error: one line
+        (["bogus"], 2),  # argparse's usage error
+        (["--help"], 0),
+        (["families"], 0),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", CONSOLE, *args], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == code, (args, done.stderr)
+        assert done.stdout.rstrip().endswith("exit handler ran"), (args, done.stdout)
+        assert "finalized" not in done.stdout, args
