@@ -6,7 +6,6 @@ Run `splitstage --help`. User errors print one line `splitstage: error: ...` and
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import errno
 import json
@@ -24,7 +23,7 @@ from splitstage.splitter import (
     plan_table,
     validate_stages,
 )
-from splitstage.tasks.stage2.process_exit import leave
+from splitstage.tasks.stage2.process_exit import run_then_leave
 
 EXIT_USAGE = 2
 ENVIRONMENT_ERRNOS = {  # OSErrors that name a path the user must fix, and how
@@ -395,21 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The `splitstage` console script: main(), the exit handlers (a Prefect temporary server's
-    shutdown among them), then leave without the interpreter's finalization, where a thread
-    that ran torch ops (stage 1's loaders) can still be unwinding and abort the process with
-    "terminate called without an active exception" (exit 134) after the work and its message
-    are done (pytorch/pytorch#117762). The handler is registered before anything imports
-    torch or Prefect, so it runs last."""
-    outcome = {"code": 1}  # an uncaught exception: Python prints it and exits 1
-    atexit.register(lambda: leave(outcome["code"]))
-    try:
-        outcome["code"] = main()
-    except SystemExit as stop:  # argparse's --help (0) and usage errors (2)
-        code = stop.code
-        outcome["code"] = code if isinstance(code, int) else int(code is not None)
-        raise
-    sys.exit(outcome["code"])
+    """The `splitstage` console script: main(), the exit handlers, then leave without the
+    interpreter's finalization (`run_then_leave`: no exit-134 abort from a torch thread)."""
+    run_then_leave(lambda: main())
 
 
 if __name__ == "__main__":
