@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT))
 
 
 def run(name: str, argv: list[str]):
@@ -22,6 +26,14 @@ def run(name: str, argv: list[str]):
     module = importlib.import_module(name)
     result = module.main(argv)
     return getattr(module, "FIGURES", None) if isinstance(result, int) else result
+
+
+def run_alone(name: str, argv: list[str], results: str) -> dict:
+    """Run bench/<name>.py in its own process from the repository root (for a benchmark whose
+    main() reads sys.argv and writes its figures to a file) and return the JSON at `results`."""
+    print(f"\n=== {name} {' '.join(argv)}", flush=True)
+    subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *argv], cwd=ROOT, check=True)
+    return json.loads((ROOT / results).read_text())
 
 
 def main(argv=None) -> int:
@@ -75,6 +87,21 @@ def main(argv=None) -> int:
         ratio, vs_denoiser = families[f"{kind}_step_ratio"], families[f"{kind}_split_vs_denoiser"]
         table.append((f"{kind}: stage-2 step / unsplit step", ratio, "< 1"))
         table.append((f"{kind}: stage-2 step / denoiser alone", vs_denoiser, "<= 1.15"))
+    distill = run("bench_direct_distill", ["--updates", "12", "--rows", "4"] if q else [])
+    table.append(("direct_distill (flux): stage-2 step / unsplit step", distill["ratio"], "info"))
+    table.append(("direct_distill (flux): split losses = unsplit", float(distill["equal"]), ">= 1"))
+    memory = run_alone(
+        "bench_train_memory", ["--steps", "1"] if q else [], "runs/bench/train_memory/results.json"
+    )
+    off, on = memory["fp32 base, no checkpointing"], memory["fp32 base, checkpointing"]
+    bf16, peak = memory["bf16 base, no checkpointing"], "peak_above_baseline_mb"
+    for name, value, goal in (
+        ("checkpointing on/off peak, fp32 base", on[peak] / off[peak], "<= 0.5"),
+        ("checkpointing on/off step time, fp32 base", on["step_s"] / off["step_s"], "info"),
+        ("frozen base bytes, bf16 / fp32", bf16["frozen_mb"] / off["frozen_mb"], "<= 0.5"),
+        ("peak, bf16 / fp32 base", bf16[peak] / off[peak], "info"),
+    ):
+        table.append((f"FLUX-shaped LoRA step: {name}", value, goal))
     e2e = run("bench_end_to_end", ["--epochs", "3" if q else "10"])
     table.append(
         (f"end to end split / unsplit wall, {3 if q else 10} epochs", e2e["ratio"], "<= 0.45")
