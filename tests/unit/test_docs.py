@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 TROUBLESHOOTING = DOCS / "troubleshooting.md"
-MAX_README_BYTES = 13_000
+MAX_README_BYTES = 12_500
 SOURCE_ROOMS = ("splitstage", "splitter", "pipelines", "tasks", "flows")
 # Every top-level room the README's layout block must name.
 ROOMS = (
