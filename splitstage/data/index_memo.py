@@ -12,7 +12,7 @@ all of those files and the metadata file are older than the hash memo's trust ma
 and not when an image read failed (a failure that may not recur). Anything else: the full index
 and a new memo. Losing it only costs time; a corrupt one is ignored with one warning line.
 
-Format (Parquet via pyarrow, no pickle; uncompressed, no statistics): text columns NUL-joined
+Format (Parquet, `storage.parquet_columns`; no pickle, uncompressed): text columns NUL-joined
 UTF-8 (`files`, `images`, `prompts`, `extras` as JSON or '', `absent`, and `versions` for ETags),
 the 32-byte `keys` end to end, `skipped` as JSON, and int64 `sizes` / `mtimes` / `lines` (little
 endian), each stored as Parquet rows (`column`, `dtype`, `piece`) of at most 256 MiB of its bytes
@@ -36,19 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from splitstage.data.dataset import Row
 from splitstage.data.file_stats import FileCheck
 from splitstage.data.hash_memo import TRUST_MARGIN_NS, stop_if_cache_unusable
 from splitstage.data.row_table import RowTable, extras_text
 from splitstage.data.source import DataSource, Listing
+from splitstage.storage.parquet_columns import ColumnFile, write_columns
 
 log = logging.getLogger(__name__)
 FORMAT = "splitstage-data-index-v2"
 SUFFIX = ".index.parquet"
-_PIECE = 256 << 20  # bytes per Parquet value
 _SEP = "\0"
 _RULE_MODULES = (  # the code whose behaviour the memo's contents depend on
     "splitstage.data.dataset",
@@ -152,7 +150,7 @@ def encode(
     if metadata_bytes:  # so that rows appended later are all a rerun parses (`appended`)
         meta["metadata_length"] = str(len(metadata_bytes))
         meta["metadata_sha256"] = hashlib.sha256(metadata_bytes).hexdigest()
-    return _write(tensors, meta)
+    return write_columns(tensors, meta)
 
 
 def appended(meta: Mapping[str, str], data: bytes, name: str) -> tuple[bytes, int] | None:
@@ -191,13 +189,16 @@ def load(
         log.warning("index memo %s not read (%s); indexing every row", url, type(exc).__name__)
         return None
     try:
-        memo = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
-        meta = {k.decode(): v.decode() for k, v in (memo.schema_arrow.metadata or {}).items()}
+        memo = ColumnFile(data)
+        meta = memo.meta
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         if (meta.get("rules"), meta.get("data_url")) != (rules, data_url):
             return None  # the code, the settings or the data set changed: not an error
-        return meta, _columns(memo.read(use_threads=False))  # a flipped byte fails its page CRC
+        tensors = memo.columns()  # a flipped byte fails its page CRC
+        if "keys" in tensors:
+            tensors["keys"] = tensors["keys"].reshape(-1, 32)
+        return meta, tensors
     except Exception as exc:
         log.warning("index memo %s is unusable (%s); indexing every row", url, exc)
         return None
@@ -306,68 +307,6 @@ def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> Index
         (int(line), str(reason)) for line, reason in json.loads(tensors["skipped"].tobytes())
     ]
     return IndexResult(rows, keys, skipped, int(meta["duplicates"]), int(meta["hits"]))
-
-
-def _write(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
-    """The columns as Parquet rows of pieces, `meta` as schema metadata, a CRC-32 on every page."""
-    names, dtypes, pieces = [], [], []
-    for name, column in tensors.items():
-        raw = np.ascontiguousarray(column, "<i8" if column.dtype == np.int64 else np.uint8)
-        raw = raw.view(np.uint8).reshape(-1)
-        ends = np.array([*range(0, max(len(raw), 1), _PIECE), len(raw)], np.int64)  # >= 1 piece
-        buffers = [None, pa.py_buffer(ends), pa.py_buffer(raw)]  # the bytes are not copied
-        pieces.append(pa.Array.from_buffers(pa.large_binary(), len(ends) - 1, buffers))
-        names += [name] * (len(ends) - 1)
-        dtypes += [str(column.dtype)] * (len(ends) - 1)
-    table = pa.table(
-        {
-            "column": pa.array(names, pa.string()),
-            "dtype": pa.array(dtypes, pa.string()),
-            "piece": pa.chunked_array(pieces, pa.large_binary()),
-        }
-    ).replace_schema_metadata(dict(meta))
-    sink = pa.BufferOutputStream()
-    pq.write_table(
-        table,
-        sink,
-        compression="none",
-        use_dictionary=False,
-        write_statistics=False,
-        write_page_checksum=True,
-        write_batch_size=1,  # a page ends after any piece past 1 MiB: pages stay under 2 GiB
-    )
-    return sink.getvalue().to_pybytes()
-
-
-def _columns(table: pa.Table) -> dict[str, np.ndarray]:
-    """The memo's columns from its rows of pieces: int64 arrays, and uint8 ones (`keys` [N, 32])."""
-    pieces: dict[str, list[memoryview]] = {}
-    dtypes: dict[str, str] = {}
-    rows = zip(
-        table.column("column").to_pylist(),
-        table.column("dtype").to_pylist(),
-        (p for chunk in table.column("piece").chunks for p in _pieces(chunk)),
-        strict=True,
-    )
-    for name, dtype, piece in rows:
-        if dtypes.setdefault(name, dtype) != dtype or dtype not in ("int64", "uint8"):
-            raise ValueError(f"its column {name} has type {dtype}")
-        pieces.setdefault(name, []).append(piece)
-    tensors = {}
-    for name, parts in pieces.items():
-        joined = parts[0] if len(parts) == 1 else b"".join(parts)
-        tensors[name] = np.frombuffer(joined, "<i8" if dtypes[name] == "int64" else np.uint8)
-    if "keys" in tensors:
-        tensors["keys"] = tensors["keys"].reshape(-1, 32)
-    return tensors
-
-
-def _pieces(chunk: pa.LargeBinaryArray) -> list[memoryview]:
-    """The values of a binary array as views of its data buffer (iterating would be slower)."""
-    _, offsets, data = chunk.buffers()
-    ends = np.frombuffer(offsets, np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
-    view = memoryview(data if data is not None else b"")
-    return [view[start:end] for start, end in zip(ends[:-1].tolist(), ends[1:].tolist())]
 
 
 def _join(values: Sequence[str]) -> bytes | None:

@@ -22,6 +22,7 @@ from splitstage.data import file_stats, index_memo, metadata_files
 from splitstage.data.dataset import DataError
 from splitstage.data.hash_memo import FOLDER
 from splitstage.data.index import index_data_set
+from splitstage.storage import parquet_columns
 
 
 def _age(path: Path, seconds: float = 60) -> None:
@@ -387,7 +388,7 @@ def test_growth_that_cannot_be_trusted_is_the_full_build(job, change):
 
 def test_columns_round_trip_through_parquet_in_pieces(monkeypatch):
     """A column longer than a piece spans several Parquet rows; an empty one has one empty."""
-    monkeypatch.setattr(index_memo, "_PIECE", 7)
+    monkeypatch.setattr(parquet_columns, "PIECE", 7)
     tensors = {
         "files": np.frombuffer("a/ü.png\0b.png\0c".encode(), np.uint8),
         "absent": np.frombuffer(b"", np.uint8),
@@ -396,12 +397,12 @@ def test_columns_round_trip_through_parquet_in_pieces(monkeypatch):
         "lines": np.array([], np.int64),
     }
     meta = {"format": index_memo.FORMAT, "rules": "r", "data_url": "d", "rows": "3"}
-    rows = pq.read_table(pa.BufferReader(index_memo._write(tensors, meta))).to_pylist()
+    rows = pq.read_table(pa.BufferReader(parquet_columns.write_columns(tensors, meta))).to_pylist()
     raw = tensors["files"].tobytes()
     assert [r["piece"] for r in rows if r["column"] == "files"] == [raw[:7], raw[7:14], raw[14:]]
     assert [r["piece"] for r in rows if r["column"] == "absent"] == [b""]
     fs = fsspec.filesystem("memory")
-    fs.pipe_file("/memo.parquet", index_memo._write(tensors, meta))
+    fs.pipe_file("/memo.parquet", parquet_columns.write_columns(tensors, meta))
     got = index_memo.load(fs, "/memo.parquet", "memo", data_url="d", rules="r")
     assert got is not None and got[0] == meta and sorted(got[1]) == sorted(tensors)
     for name, column in tensors.items():
