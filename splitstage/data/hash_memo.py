@@ -1,5 +1,5 @@
 """The hash memo: (path, size, mtime or ETag) -> sha256 of an image's bytes, kept beside the cache
-(`<cache.url>/data-memo/<digest of the data set URL>.safetensors`), so a rerun with no new
+(`<cache.url>/data-memo/<digest of the data set URL>.parquet`), so a rerun with no new
 samples costs a listing plus the metadata file instead of reading every image.
 
 Losing it only costs time; it can never give a wrong key: an entry is used only when the file's
@@ -8,8 +8,13 @@ corrupt or foreign memo is ignored with one warning line and rebuilt. Racy mtime
 rewritten within one mtime tick, same size): entries whose mtime is within TRUST_MARGIN_NS of the
 listing's start are never written, so such files are hashed again on every run until they age.
 
-Format (safetensors, no pickle; columnar for 10^6 rows): `paths` and, for ETags, `versions` as
-NUL-joined UTF-8 bytes; `sizes` and, for mtimes, `mtimes` as int64; `digests` as uint8 [N, 32].
+Format (Parquet, `storage.parquet_columns`; no pickle, columnar for 10^6 rows): `paths` and, for
+ETags, `versions` as NUL-joined UTF-8 bytes; `sizes` and, for mtimes, `mtimes` as int64; the
+32-byte `digests` end to end; the format, data set URL, count and version kind as schema
+metadata. Every page carries Parquet's CRC-32, verified on load: a flipped byte or a cut file is
+a corrupt memo. A memo of the earlier safetensors format (`<digest>.safetensors`) is never read:
+the first run after the change hashes every image once and writes the Parquet memo (the old file
+is left as it is; deleting it is safe).
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from splitstage.data.source import DataSource, Listing
 from splitstage.storage.files import (
@@ -35,10 +38,11 @@ from splitstage.storage.files import (
     write_atomic,
 )
 from splitstage.storage.options import with_credentials
-from splitstage.storage.safetensors_io import read_metadata
+from splitstage.storage.parquet_columns import ColumnFile, write_columns
 
 log = logging.getLogger(__name__)
-FORMAT = "splitstage-data-memo-v1"
+FORMAT = "splitstage-data-memo-v2"
+SUFFIX = ".parquet"  # the index memo beside it: `index_memo.SUFFIX`
 FOLDER = "data-memo"
 TRUST_MARGIN_NS = 2_000_000_000  # coarser than any file system's mtime tick (FAT: 2 s)
 _SEP = "\0"  # in neither file names nor object keys
@@ -106,13 +110,15 @@ class HashMemo:
 
     @classmethod
     def decode(cls, data: bytes, data_url: str) -> HashMemo:
-        """Parse memo bytes; ValueError naming what is wrong (the caller warns and rebuilds)."""
-        meta = read_metadata(data)
+        """Parse memo bytes; ValueError naming what is wrong, or pyarrow's error for a damaged
+        file (the caller warns and rebuilds)."""
+        memo = ColumnFile(data)
+        meta = memo.meta
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         if meta.get("data_url") != data_url:
             raise ValueError(f"it belongs to data set {meta.get('data_url')!r}")
-        tensors = st_load(data)
+        tensors = memo.columns()  # a flipped byte fails its page CRC
         count = int(meta["count"])
         paths = tensors["paths"].tobytes().decode("utf-8").split(_SEP)
         by_mtime = meta.get("versions") == "mtime_ns"
@@ -122,10 +128,7 @@ class HashMemo:
             versions = tensors["versions"].tobytes().decode("utf-8").split(_SEP)
         sizes = tensors["sizes"].tolist()
         digests = tensors["digests"]
-        if not (len(paths) == len(versions) == len(sizes) == count) or digests.shape != (
-            count,
-            32,
-        ):
+        if not (len(paths) == len(versions) == len(sizes) == count) or len(digests) != 32 * count:
             raise ValueError(f"its columns disagree with its count {count}")
         memo = cls(by_mtime)
         memo._index = dict(zip(paths, range(count)))
@@ -159,7 +162,7 @@ def _columns(
     tensors = {
         "paths": np.frombuffer(_SEP.join(paths).encode("utf-8"), dtype=np.uint8),
         "sizes": np.array(sizes, dtype=np.int64),
-        "digests": np.frombuffer(digests, dtype=np.uint8).reshape(-1, 32),
+        "digests": np.frombuffer(digests, dtype=np.uint8),
     }
     if by_mtime:
         tensors["mtimes"] = np.array(versions, dtype=np.int64)
@@ -167,7 +170,7 @@ def _columns(
         tensors["versions"] = np.frombuffer(_SEP.join(map(str, versions)).encode(), np.uint8)
     meta = {"format": FORMAT, "data_url": data_url, "count": str(len(paths))}
     meta["versions"] = "mtime_ns" if by_mtime else "etag"
-    return st_save(tensors, metadata=meta)
+    return write_columns(tensors, meta)
 
 
 def needs_save(listing: Listing, fresh: Mapping[str, bytes], loaded: int, hits: int) -> bool:
@@ -192,7 +195,7 @@ def memo_location(cache: Any, source: DataSource) -> tuple[Any, str, str]:
         cache.url, cache.storage_options, cache.credentials_block, field="cache.credentials_block"
     )
     fs, root = open_fs(cache.url, options, field="cache.url")
-    name = hashlib.sha256(data_url_of(source).encode("utf-8")).hexdigest()[:32] + ".safetensors"
+    name = hashlib.sha256(data_url_of(source).encode("utf-8")).hexdigest()[:32] + SUFFIX
     return fs, join(root, FOLDER, name), f"{cache.url.rstrip('/')}/{FOLDER}/{name}"
 
 

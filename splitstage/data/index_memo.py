@@ -39,6 +39,7 @@ import numpy as np
 
 from splitstage.data.dataset import Row
 from splitstage.data.file_stats import FileCheck
+from splitstage.data.hash_memo import SUFFIX as HASH_MEMO_SUFFIX
 from splitstage.data.hash_memo import TRUST_MARGIN_NS, stop_if_cache_unusable
 from splitstage.data.row_table import RowTable, extras_text
 from splitstage.data.source import DataSource, Listing
@@ -73,7 +74,7 @@ class IndexResult:
 
 def index_memo_path(memo_path: str) -> str:
     """The index memo's path beside the hash memo at `memo_path`."""
-    return memo_path.removesuffix(".safetensors") + SUFFIX
+    return memo_path.removesuffix(HASH_MEMO_SUFFIX) + SUFFIX
 
 
 def rules_digest(data: Any, metadata: str) -> str:

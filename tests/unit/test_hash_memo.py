@@ -17,12 +17,13 @@ from splitstage.data.dataset import load_metadata, sample_keys
 from splitstage.data.hash_memo import FOLDER, HashMemo
 from splitstage.data.index import index_data_set
 from splitstage.data.index_memo import SUFFIX
+from splitstage.storage.parquet_columns import ColumnFile, write_columns
 
 
 def hash_memo_file(config) -> Path:
     """The hash memo's file (not the index memo beside it: listing order is the file system's)."""
     folder = Path(config.cache.url) / FOLDER
-    return next(p for p in folder.iterdir() if not p.name.endswith(SUFFIX))
+    return next(p for p in folder.glob("*" + hash_memo.SUFFIX) if not p.name.endswith(SUFFIX))
 
 
 def _age(path: Path, seconds: float = 60) -> None:
@@ -131,8 +132,9 @@ def test_damaged_memos_never_give_a_key(job, caplog, damage):
         raw = raw[: len(raw) // 2]
     elif damage == "other data set":
         raw = HashMemo.encode(listing, {"img/0.png": b"x" * 32}, "/elsewhere")
-    else:
-        raw = raw.replace(b'"count":"4"', b'"count":"3"')
+    else:  # the same columns under a count they disagree with
+        memo = ColumnFile(raw)
+        raw = write_columns(memo.columns(), {**memo.meta, "count": "3"})
     memo_file.write_bytes(raw)
     with caplog.at_level(logging.WARNING, logger=hash_memo.__name__):
         index = index_data_set(config)
@@ -159,3 +161,39 @@ def test_large_memo_round_trips_exactly():
     memo = HashMemo.decode(HashMemo.encode(listing, digests, "/d"), "/d")
     assert len(memo) == n
     assert all(memo.lookup(p, *files[p]) == digests[p] for p in list(files)[::997])
+
+
+def test_a_flipped_byte_fails_the_page_checksum_one_warning_and_a_rehash(job, caplog):
+    config, data = job
+    index_data_set(config)
+    memo_file = hash_memo_file(config)
+    raw = memo_file.read_bytes()
+    at = raw.index(b"img/2.png")
+    memo_file.write_bytes(raw[:at] + b"img/3" + raw[at + 5 :])  # another path, same length
+    for path in (Path(config.cache.url) / FOLDER).glob("*" + SUFFIX):
+        path.unlink()  # the index memo would give the keys without the hash memo
+    with caplog.at_level(logging.WARNING, logger=hash_memo.__name__):
+        index = index_data_set(config)
+    warnings = [r for r in caplog.records if r.name == hash_memo.__name__]
+    assert len(warnings) == 1 and "CRC" in warnings[0].getMessage()
+    assert (index.hashed, index.keys) == (4, _truth(data))
+    assert index_data_set(config).memo_hits == 4  # rebuilt
+
+
+def test_a_memo_of_the_old_format_is_left_alone_and_rebuilt(job, caplog):
+    config, data = job
+    index_data_set(config)
+    memo_file = hash_memo_file(config)
+    old = memo_file.with_suffix(".safetensors")
+    old.write_bytes(b"a hash memo of the safetensors format")
+    for path in (Path(config.cache.url) / FOLDER).glob("*.parquet"):
+        path.unlink()  # as before the change: only the old file is there
+    with caplog.at_level(logging.WARNING, logger=hash_memo.__name__):
+        index = index_data_set(config)
+    assert not [r for r in caplog.records if r.name == hash_memo.__name__]  # not even read
+    assert (index.hashed, index.keys) == (4, _truth(data))
+    assert hash_memo_file(config).exists() and old.read_bytes().startswith(b"a hash memo")
+    for path in (Path(config.cache.url) / FOLDER).glob("*" + SUFFIX):
+        path.unlink()
+    again = index_data_set(config)  # from the new hash memo
+    assert (again.hashed, again.memo_hits) == (0, 4)
