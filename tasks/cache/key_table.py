@@ -3,7 +3,10 @@
 Keys that all have one even length in lowercase hex (sha256 sample keys) are packed two characters
 per byte (32 bytes a key); other names are kept as ASCII padded with NUL (names never hold NUL).
 Both sort as the str keys sort, so look-ups are `np.searchsorted` and the seeded epoch order is
-that of `sorted(keys)`. Files are safetensors (a uint8 [N, width] tensor), never pickle.
+that of `sorted(keys)`. Files are Parquet (`storage.parquet_columns`: the keys' bytes end to end,
+the encoding, width and count as schema metadata, a CRC-32 on every page), never pickle. Files of
+the earlier safetensors format (a uint8 [N, width] tensor; a cache manifest's samples file written
+before the change) are still read, with the same checks; a table is always written as Parquet.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from typing import overload
 
 import numpy as np
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from splitstage.splitter import UserError
+from splitstage.storage.parquet_columns import ColumnFile, write_columns
 from splitstage.storage.safetensors_io import read_metadata
 
-_FORMAT = 1
+FORMAT = "splitstage-keys-v2"
+SUFFIX = ".parquet"  # for the names of key files written from now on
+_PARQUET = b"PAR1"  # a Parquet file's first bytes; anything else is read as the old format
+_OLD_FORMAT = 1  # the safetensors files' format, under this metadata key:
 _META = "splitstage-keys"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_=-][A-Za-z0-9_.=-]*$")  # as shard_format's sample keys
 
@@ -197,11 +203,15 @@ class KeyTable(Sequence[str]):
 
     # ---- files -----------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        """The table as safetensors bytes: a uint8 [N, itemsize] tensor plus its encoding."""
-        rows = np.frombuffer(self.array.tobytes(), np.uint8)
-        rows = rows.reshape(len(self), self.array.dtype.itemsize)
-        meta = {"format": _FORMAT, "encoding": "hex" if self.hexed else "ascii"}
-        return st_save({"keys": rows}, metadata={_META: json.dumps(meta)})
+        """The table as Parquet bytes: its keys' bytes end to end, encoding, width and count."""
+        rows = np.frombuffer(np.ascontiguousarray(self.array).tobytes(), np.uint8)
+        meta = {
+            "format": FORMAT,
+            "encoding": "hex" if self.hexed else "ascii",
+            "width": str(self.array.dtype.itemsize),
+            "count": str(len(self)),
+        }
+        return write_columns({"keys": rows}, meta)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the table to a local file atomically (temporary file, then rename)."""
@@ -216,13 +226,12 @@ class KeyTable(Sequence[str]):
         fix = f"{where} is not a splitstage sample-keys file"
         again = "rerun `splitstage train` (the launcher writes it again)"
         try:
-            rows = st_load(data)["keys"]
-            meta = json.loads(read_metadata(data)[_META])
+            rows, meta = _parquet(data) if data[:4] == _PARQUET else _safetensors(data)
         except Exception as exc:  # any parse failure is a bad file
             raise KeyFileError(f"{fix} ({type(exc).__name__}: {exc}); {again}") from None
         if (
             not isinstance(meta, dict)
-            or meta.get("format") != _FORMAT
+            or meta.get("format") not in (FORMAT, _OLD_FORMAT)
             or meta.get("encoding") not in ("hex", "ascii")
         ):
             raise KeyFileError(f"{fix} (format {meta!r}); {again}")
@@ -241,3 +250,20 @@ class KeyTable(Sequence[str]):
         """Read a file written by `save`."""
         with open(path, "rb") as src:
             return cls.from_bytes(src.read(), os.fspath(path))
+
+
+def _parquet(data: bytes) -> tuple[np.ndarray, dict]:
+    """A Parquet key file's keys as uint8 [N, width] and its metadata (a flipped byte raises)."""
+    file = ColumnFile(data)
+    meta = file.meta
+    if meta.get("format") != FORMAT:
+        return np.zeros((0, 1), np.uint8), meta  # the caller refuses it for its format
+    keys, width, count = file.columns()["keys"], int(meta["width"]), int(meta["count"])
+    if width < 1 or len(keys) != width * count:
+        raise ValueError(f"{len(keys)} bytes of keys for {count} keys of {width}")
+    return keys.reshape(count, width), meta
+
+
+def _safetensors(data: bytes) -> tuple[np.ndarray, object]:
+    """An earlier (safetensors) key file's uint8 [N, width] keys and its metadata."""
+    return st_load(data)["keys"], json.loads(read_metadata(data)[_META])
