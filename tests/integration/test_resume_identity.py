@@ -100,30 +100,33 @@ def test_a_resume_on_other_base_weights_is_refused_and_the_checkpoint_kept(
     assert metadata["lora"] == "true"  # the family's own metadata is kept
 
 
-@pytest.mark.parametrize("kinds", [("sd", "sdxl")])
-def test_a_family_switch_is_refused_before_launch(kinds, tmp_path, capsys):
+def test_a_family_or_pretrained_folder_switch_is_refused_before_launch(tmp_path, capsys):
+    """The same run resumed as sdxl (another family), then as sd on another folder (other
+    weights under the same family: `pipeline.pretrained`): each one line, nothing lost."""
     from splitstage.tiny_diffusers import write_tiny_folder
 
     write_digits_dataset(tmp_path / "data", limit=4, size=32)
-    for kind in kinds:
-        write_tiny_folder(kind, tmp_path / kind)
+    folders = {"sd": ("sd", 0), "sdxl": ("sdxl", 0), "sd-other": ("sd", 1)}
+    for folder, (kind, seed) in folders.items():
+        write_tiny_folder(kind, tmp_path / folder, seed=seed)
 
-    def sd_job(kind: str) -> str:
+    def sd_job(folder: str) -> str:
+        kind = folders[folder][0]
         body = {
             "job": 'name = "switch"',
-            "pipeline": f'name = "{kind}"\npretrained = "{tmp_path / kind}"\nresolution = 64',
+            "pipeline": f'name = "{kind}"\npretrained = "{tmp_path / folder}"\nresolution = 64',
             "trainable": 'lora_base_model = "unet"\nlora_rank = 4',
             "data": f'base_path = "{tmp_path / "data"}"',
             "cache": f'url = "{tmp_path / "cache"}"\nshard_samples = 4',
             "train": "batch_size = 2\nmax_steps = 2\ncheckpoint_every = 1",
             "output": f'url = "{tmp_path / "out"}"',
         }
-        path = tmp_path / f"{kind}.toml"
+        path = tmp_path / f"{folder}.toml"
         path.write_text("".join(f"[{name}]\n{lines}\n" for name, lines in body.items()))
         return str(path)
 
     torch.set_num_threads(1)
-    first, second = (sd_job(kind) for kind in kinds)
+    first, second, third = (sd_job(folder) for folder in folders)
     code, err = cli(["preprocess", first], capsys)
     assert code == 0, err
     code, err = cli(["train", first], capsys)
@@ -140,4 +143,13 @@ def test_a_family_switch_is_refused_before_launch(kinds, tmp_path, capsys):
         "another --run-id",
     )
     assert "shape" not in err
+    assert tree_digest(checkpoints) == before
+    code, err = cli(["train", third], capsys)
+    check_one_line(
+        code,
+        err,
+        "checkpoint step 2 was trained on other base weights",
+        f"now {tmp_path / 'sd-other'}",
+        "another --run-id",
+    )
     assert tree_digest(checkpoints) == before
