@@ -1,6 +1,6 @@
-"""A snapshot of a cache's compact index in ONE safetensors file, so stage 2 starts in seconds.
+"""A snapshot of a cache's compact index in ONE Parquet file, so stage 2 starts in seconds.
 
-The preprocessing coordinator writes `index-snapshot.safetensors` beside the manifest (atomic):
+The preprocessing coordinator writes `index-snapshot.parquet` beside the manifest (atomic):
 the `CompactIndex` arrays (keys, shard and spec numbers, shard ids, sizes, sha256s, digests of
 the entry bytes), its spec table, and per index entry the stamp ONE listing of `index/` gave it
 (size + ETag, or size + inode + mtime), taken before the entries were read. A store loading its
@@ -9,6 +9,13 @@ since are read and merged, an entry with another stamp is read and kept only if 
 snapshotted ones. An entry removed or rewritten with other bytes, or a snapshot that does not
 parse, fails its checksum or belongs to another cache, makes the store read every entry (with one
 log line): the result is always the index a full read gives. No pickle: arrays and JSON only.
+
+Format: the arrays as Parquet columns (`storage.parquet_columns`: flattened, each name column's
+width in the JSON header, which is schema metadata with the format, the cache key and a sha256
+over every array's name, shape and bytes); Parquet's page CRC-32 is verified on load too. A
+snapshot of the earlier safetensors format (`index-snapshot.safetensors`) is never read: the
+first store after the change finds no snapshot and reads every entry, as for a bad one, until
+the coordinator writes the Parquet one (the old file is left; deleting it is safe).
 """
 
 from __future__ import annotations
@@ -20,11 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 import splitstage.storage.files as st
-from splitstage.storage.safetensors_io import read_metadata
+from splitstage.storage.parquet_columns import ColumnFile, write_columns
 from splitstage.tasks.cache.cache_errors import CacheCorruptError
 from splitstage.tasks.cache.compact_index import CompactIndex, IndexBuilder, canonical
 from splitstage.tasks.cache.index_entry import (
@@ -37,12 +42,13 @@ from splitstage.tasks.cache.index_entry import (
 )
 
 log = logging.getLogger(__name__)
-SNAPSHOT = "index-snapshot.safetensors"
-_FORMAT = 1
+SNAPSHOT = "index-snapshot.parquet"
+_FORMAT = 2
 _META = "splitstage-index-snapshot"
 _ROWS = ("keys", "shard", "spec")
 _SHARDS = ("shard_ids", "shard_bytes", "shard_sha", "shard_seen", "stamps")
 _SPECS = ("spec_text", "spec_ends", "spec_aliased", "spec_base")
+_NAMES = ("keys", "shard_ids", "shard_sha", "shard_seen", "stamps")  # uint8 [N, width] each
 
 
 class SnapshotError(ValueError):
@@ -63,7 +69,7 @@ def entry_stamp(info: Mapping[str, Any]) -> str:
 
 
 def _rows_of(names: np.ndarray) -> np.ndarray:
-    """A fixed-width bytes array as uint8 [N, width] (what safetensors stores)."""
+    """A fixed-width bytes array as uint8 [N, width] (what the checksum covers)."""
     width = names.dtype.itemsize
     return np.frombuffer(np.ascontiguousarray(names).tobytes(), np.uint8).reshape(-1, width)
 
@@ -105,14 +111,15 @@ def encode_snapshot(index: CompactIndex, stamps: list[str], cache_key: str) -> b
     }
     meta = {"format": _FORMAT, "cache_key": cache_key, "hexed": bool(index.hexed)}
     meta["sha256"] = _digest(arrays)
-    return st_save(arrays, metadata={_META: json.dumps(meta)})
+    meta["widths"] = {name: arrays[name].shape[1] for name in _NAMES}
+    return write_columns(arrays, {_META: json.dumps(meta)})
 
 
 def decode_snapshot(data: bytes, cache_key: str) -> tuple[CompactIndex, np.ndarray]:
     """The index a snapshot holds and its entries' stamps; SnapshotError saying what is wrong."""
     try:
-        arrays = st_load(data)
-        meta = json.loads(read_metadata(data)[_META])
+        file = ColumnFile(data)
+        meta = json.loads(file.meta[_META])
     except Exception as exc:  # any parse failure: not a snapshot
         raise SnapshotError(f"it does not parse ({type(exc).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
@@ -121,6 +128,7 @@ def decode_snapshot(data: bytes, cache_key: str) -> tuple[CompactIndex, np.ndarr
         )
     if meta.get("cache_key") != cache_key:
         raise SnapshotError(f"it is of cache key {meta.get('cache_key')!r}")
+    arrays = _arrays(file, meta)
     if set(arrays) != {*_ROWS, *_SHARDS, *_SPECS} or meta.get("sha256") != _digest(arrays):
         raise SnapshotError("it fails its checksum")
     keys, ids = _names_of(arrays["keys"]), _names_of(arrays["shard_ids"])
@@ -150,6 +158,21 @@ def decode_snapshot(data: bytes, cache_key: str) -> tuple[CompactIndex, np.ndarr
     rows = {"keys": keys, "shard": shard, "spec": spec}
     index = CompactIndex(shards, rows, bool(meta.get("hexed")), specs, spec_ids, spec_base)
     return index, _names_of(arrays["stamps"])
+
+
+def _arrays(file: ColumnFile, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The snapshot's arrays, name columns back to uint8 [N, width]; a page that fails its CRC
+    or widths that do not fit fail the checksum."""
+    try:
+        arrays = file.columns()
+        widths = meta.get("widths")
+        for name in _NAMES:
+            arrays[name] = arrays[name].reshape(-1, int(widths[name]))
+    except OSError as exc:  # pyarrow: a page's CRC-32 does not match
+        raise SnapshotError(f"it fails its checksum ({exc})") from None
+    except Exception:
+        raise SnapshotError("it fails its checksum") from None
+    return arrays
 
 
 def _specs(arrays: Mapping[str, np.ndarray]) -> tuple[list, dict, list[int]]:

@@ -35,6 +35,11 @@ def view(store: CacheStore) -> tuple[list[str], dict, list[str]]:
     return keys, store.stats().buckets, sorted(store.shard_of(keys).items())
 
 
+def flip(data: bytes, at: int) -> bytes:
+    """`data` with the byte at `at` flipped."""
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+
+
 def entry_paths(store: CacheStore) -> list[str]:
     """The index entry paths of the cache, sorted."""
     return sorted(store._list("index", ".json"))
@@ -73,7 +78,7 @@ def test_a_removed_entry_makes_the_store_read_every_entry(store, reads, monkeypa
         assert view(fresh(store)) == want
     assert len(want[0]) == 9 and len(reads) == 3
     assert [r.getMessage() for r in caplog.records] == [
-        f"index snapshot {store.url}/index-snapshot.safetensors is not used (1 of its entries "
+        f"index snapshot {store.url}/index-snapshot.parquet is not used (1 of its entries "
         "were removed since): reading every index entry"
     ]
 
@@ -110,7 +115,8 @@ def test_an_entry_rewritten_with_the_same_bytes_keeps_the_snapshot(store, reads,
 @pytest.mark.parametrize(
     "damage, why",
     [
-        (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "fails its checksum"),
+        (lambda data: flip(data, data.index(b"shard_sha")), "fails its checksum"),  # page CRC
+        (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "does not parse"),  # Parquet's magic
         (lambda data: b"not a snapshot", "does not parse"),
         (lambda data: data[: len(data) // 2], "does not parse"),
     ],
@@ -205,3 +211,17 @@ def test_a_damaged_samples_file_is_an_error_naming_it(store, damage, match):
         CacheCorruptError, match=f"samples file .*{name}.* {match}.*rerun preprocess"
     ):
         fresh(store).read_manifest()
+
+
+def test_a_snapshot_of_the_old_format_is_not_found_and_left_alone(store, reads, caplog):
+    old = f"{store.root}/index-snapshot.safetensors"
+    store.fs.pipe_file(old, b"an index snapshot of the safetensors format")
+    store.fs.rm(f"{store.root}/{snap.SNAPSHOT}")  # as before the change: only the old file
+    reads.clear()
+    with caplog.at_level(logging.WARNING, SNAPSHOT_LOG):
+        assert len(fresh(store).key_table()) == 12
+    assert len(reads) == 4 and not caplog.records  # every entry read once, nothing to warn
+    assert store.write_index_snapshot() == 4
+    reads.clear()
+    assert len(fresh(store).key_table()) == 12 and reads == []  # the Parquet snapshot holds
+    assert store.fs.cat_file(old).startswith(b"an index snapshot")

@@ -9,6 +9,7 @@ import pytest
 
 import splitstage.tasks.cache.repair as repair
 from splitstage.storage.files import is_local
+from splitstage.tasks.cache.index_snapshot import SNAPSHOT
 from splitstage.tasks.cache.store import CacheStore
 from tests.helpers import snapshot_store
 from tests.helpers.cache_samples import key_of, make_sample, make_samples
@@ -54,7 +55,7 @@ DAMAGE = {
     "duplicate keys added": lambda s: s.write_shard(make_samples([4, 40])),
     "orphan shard": lambda s: s.fs.pipe_file(f"{s.root}/shards/{'f' * 32}.safetensors", b"x"),
     "entry of other params added": lambda s: s.write_shard({key_of(50): {"other": 1}}),
-    "snapshot deleted": lambda s: s.fs.rm_file(f"{s.root}/index-snapshot.safetensors"),
+    "snapshot deleted": lambda s: s.fs.rm_file(f"{s.root}/{SNAPSHOT}"),
 }
 CHECKS = {
     "changed": {"checksums": "changed"},
