@@ -1,7 +1,8 @@
 """The cache manifest: the preprocessing coordinator's record of a run, its sample list compact.
 
 `manifest.json` is JSON. Its sample keys (a million would be 70 MB of JSON, seconds to parse)
-go into a safetensors key table `manifest-samples-<sha256[:16]>.safetensors` beside it, written
+go into a Parquet key table `manifest-samples-<sha256[:16]>.parquet` beside it (`.safetensors`
+from older splitstage, still read), written
 first; the manifest names it with its sha256 and count (`samples_file`). Both writes are atomic
 and the name follows the bytes, so a reader sees the old pair or the new one. Manifests that
 list `samples` inline (older splitstage) are still read. Readers get `samples` as a `KeyTable`
@@ -19,11 +20,11 @@ from typing import Any
 
 from splitstage.tasks.cache.cache_errors import CacheCorruptError
 from splitstage.tasks.cache.index_entry import all_names
-from splitstage.tasks.cache.key_table import KeyFileError, KeyTable
+from splitstage.tasks.cache.key_table import SUFFIX, KeyFileError, KeyTable
 
 MANIFEST = "manifest.json"
 SAMPLES_FILE = "samples_file"
-_SAMPLES_NAME = re.compile(r"^manifest-samples-[0-9a-f]{16}\.safetensors$")
+_SAMPLES_NAME = re.compile(r"^manifest-samples-[0-9a-f]{16}\.(parquet|safetensors)$")
 _REWRITE = "rerun preprocess to rewrite it"
 
 
@@ -75,7 +76,7 @@ def encode_manifest(
         table = sample_table(record.pop("samples"), where)
         data = table.to_bytes()
         digest = hashlib.sha256(data).hexdigest()
-        name = f"manifest-samples-{digest[:16]}.safetensors"
+        name = f"manifest-samples-{digest[:16]}{SUFFIX}"
         record[SAMPLES_FILE] = {"name": name, "sha256": digest, "count": len(table)}
         samples_file = (name, data)
     check_manifest(record, where)

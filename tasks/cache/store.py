@@ -5,8 +5,8 @@ Layout under `<url>/<cache_key>/`:
                                  values as one JSON blob in the safetensors metadata
   index/<shard_id>.json          written only after its shard: byte size, sha256, sample params
   manifest.json                  written by the preprocessing coordinator (`manifest`), with
-  manifest-samples-<sha>.safetensors  its sample keys, compact
-  index-snapshot.safetensors     the index as arrays, written with the manifest (`index_snapshot`)
+  manifest-samples-<sha>.parquet  its sample keys, compact (a key table)
+  index-snapshot.parquet         the index as arrays, written with the manifest (`index_snapshot`)
   quarantine/                    damaged index entries and shards moved aside, with the problem
   undecodable/<sample_key>.json  rows stage 1 skipped as undecodable (`side_records`)
 
