@@ -54,7 +54,7 @@ def run_plain(config) -> dict[str, float]:
     seconds["plan"] = time.perf_counter() - started
     mark = time.perf_counter()
     data = index_data_set(config)
-    store = open_cache(config, plan)
+    store = open_cache(plan)
     stats = store.stats()
     before = CacheSnapshot(frozenset(store.committed_keys()), stats.shards, stats.bytes)
     shards = config.preprocess.workers
@@ -68,7 +68,7 @@ def run_plain(config) -> dict[str, float]:
         thread.start()
     for thread in threads:
         thread.join()
-    summarize_preprocess(config, plan, data, reports, before, shards)
+    summarize_preprocess(plan, data, reports, before, shards)
     seconds["preprocess"] = time.perf_counter() - mark
     mark = time.perf_counter()
     train(config, run_id="bench-plain", on_line=lambda line: None)

@@ -115,7 +115,7 @@ def overlap_figures(config, rounds: int) -> dict[str, float]:
             v2(decoded[start : start + size])
 
     def overlapped():
-        stage1_pipeline(config, plan, fresh("pipeline"), ctx, ShardReport(0, 1)).run(todo)
+        stage1_pipeline(plan, fresh("pipeline"), ctx, ShardReport(0, 1)).run(todo)
 
     def serial():
         store, buffer = fresh("serial"), {}
@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
         times[label] = time.perf_counter() - start
         assert report.computed == args.samples, report
     config = job("cache-1x1", args.samples)
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     stats = store.stats()
     ours = stats.bytes / stats.samples
     raw = raw_boundary_bytes(store)

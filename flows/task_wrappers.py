@@ -102,14 +102,14 @@ def index_data(config: SplitstageConfig) -> DataIndex:
 @_io_task("read-cache-index", timeout_seconds=600)
 def snapshot_cache(config: SplitstageConfig, plan: JobPlan) -> CacheSnapshot:
     """Read the cache index once: what preprocessing will reuse, and the figures to diff later."""
-    return snapshot(open_cache(config, plan))
+    return snapshot(open_cache(plan))
 
 
 @_io_task("check-cache", timeout_seconds=1800)
 def check_cache(config: SplitstageConfig, plan: JobPlan, data: DataIndex) -> ShardReport | None:
     """The run's report when nothing is to compute (every sample cached intact, shards modified
     after their index entry re-read, or recorded undecodable); None when shards must run."""
-    return all_cached(config, plan, data, prompts=False)  # the flow encodes prompts itself
+    return all_cached(plan, data, prompts=False)  # the flow encodes prompts itself
 
 
 @_io_task(
@@ -134,7 +134,7 @@ def preprocess_shard_task(
 @_io_task("encode-validation-prompts", timeout_seconds=1800)
 def validation_prompts_task(config: SplitstageConfig, plan: JobPlan) -> str | None:
     """Encode the [validation] prompts beside the cache unless shard 0 already did."""
-    return write_validation_prompts(config, plan)
+    return write_validation_prompts(plan)
 
 
 @_io_task("finish-preprocess", timeout_seconds=1800)
@@ -148,7 +148,7 @@ def finish_preprocess(
     started: float,
 ) -> PreprocessReport:
     """Verify the cache holds every sample, write its manifest and report what was done."""
-    result = summarize_preprocess(config, plan, data, reports, before, workers)
+    result = summarize_preprocess(plan, data, reports, before, workers)
     result.seconds = time.perf_counter() - started
     return result
 

@@ -184,7 +184,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     plan = make_plan(config)
-    store = open_cache(config, plan)
+    store = open_cache(plan)
     fix = f"run `splitstage preprocess {args.config}`"
     store.require(fix)
     if args.action == "stats":

@@ -33,7 +33,7 @@ class JobPlan:
     @cached_property
     def cache(self) -> CacheStore:
         """This job's cache store, opened once per process (`open_cache`)."""
-        return open_cache(self.config, self)
+        return open_cache(self)
 
     def meta_model(self, name: str) -> Any:
         """Model `name` built once on the meta device (no weights): shapes and module names for
@@ -98,9 +98,9 @@ def make_plan(config: SplitstageConfig) -> JobPlan:
     return JobPlan(config=config, family=family, pipeline=pipeline, units=units, split=split)
 
 
-def open_cache(config: SplitstageConfig, plan: JobPlan, cache_key: str | None = None) -> CacheStore:
+def open_cache(plan: JobPlan, cache_key: str | None = None) -> CacheStore:
     """The cache store this job reads and writes (`cache_key` when already known)."""
-    cache = config.cache  # a credentials_block's secrets join the options in memory only
+    cache = plan.config.cache  # a credentials_block's secrets join the options in memory only
     options = with_credentials(
         cache.url, cache.storage_options, cache.credentials_block, field="cache.credentials_block"
     )

@@ -136,7 +136,7 @@ def preprocess_shard(
     started = time.perf_counter()
     plan = plan or make_plan(config)
     data = data or index_data_set(config, shown=Shown(bar=None if progress else False))
-    store = open_cache(config, plan)
+    store = open_cache(plan)
     keys = data.keys
     mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
     report, cached = repair_cache(store, plan, [keys[i] for i in mine], shard, num_shards, verify)
@@ -148,15 +148,14 @@ def preprocess_shard(
         todo = [(row, key) for row, key in todo if key not in bad]
     report.skipped = len(data.skipped) + len(report.undecodable)
     if todo:
-        _compute(config, plan, store, todo, report, progress, on_progress)
+        _compute(plan, store, todo, report, progress, on_progress)
     if shard == 0:  # once per run, on a worker (where the encoders belong): not sharded
-        report.validation_prompts = write_validation_prompts(config, plan)
+        report.validation_prompts = write_validation_prompts(plan)
     report.seconds = time.perf_counter() - started
     return report
 
 
 def all_cached(
-    config: SplitstageConfig,
     plan: JobPlan,
     data: DataIndex,
     *,
@@ -168,7 +167,7 @@ def all_cached(
     the validation prompts are encoded, the run's report (no worker to start: on a rerun that
     costs seconds of imports); else None (workers check, repair and compute exactly as without
     it). `store`: the caller's, if open."""
-    store = store or open_cache(config, plan)
+    store = store or open_cache(plan)
     keys = data.keys
     present = store.contains(keys)  # an array: a million keys in no time
     missing = [] if present.all() else [keys[i] for i in np.flatnonzero(~present)]
@@ -176,19 +175,19 @@ def all_cached(
     if len(bad) < len(missing):  # samples to compute: the workers check (once)
         return None
     check = store.check("changed", keys=keys, params=plan.split.boundary_params, touch=True)
-    if check.damaged or (prompts and not validation_prompts_written(config, plan)):
+    if check.damaged or (prompts and not validation_prompts_written(plan)):
         return None
     report = ShardReport(0, 1, assigned=len(keys), reused=len(keys) - len(bad), undecodable=bad)
     report.skipped = len(data.skipped) + len(bad)
     report.bytes_verified = check.bytes_checked
-    if prompts and config.validation.enabled:
-        report.validation_prompts = prompts_path(config, plan)[2]  # checked above: it is there
+    if prompts and plan.config.validation.enabled:
+        report.validation_prompts = prompts_path(plan)[2]  # checked above: it is there
     return report
 
 
-def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
+def _compute(plan, store, todo, report, progress, on_progress) -> None:
     """Load the stage-1 models and run the overlapped pipeline over `todo`, with a progress bar."""
-    device = pick_device(config.preprocess.device)
+    device = pick_device(plan.config.preprocess.device)
     family = plan.family
     models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
     ctx = StepContext(models=models, device=device, settings=family.settings())
@@ -215,11 +214,10 @@ def _compute(config, plan, store, todo, report, progress, on_progress) -> None:
         return rows[key]
 
     with torch.no_grad(), bar:
-        stage1_pipeline(config, plan, store, ctx, report, finished, row_of).run(todo)
+        stage1_pipeline(plan, store, ctx, report, finished, row_of).run(todo)
 
 
 def stage1_pipeline(
-    config: SplitstageConfig,
     plan: JobPlan,
     store: CacheStore,
     ctx: StepContext,
@@ -230,7 +228,7 @@ def stage1_pipeline(
     """The overlapped stage-1 pipeline of a job (`pipeline.Stage1Pipeline`): decode on threads,
     V2 in batches of one shape on the caller (under its no_grad), shards written in the
     background; counts go into `report`, undecodable rows (`row_of` names them) beside the cache."""
-    family, params = plan.family, plan.split.boundary_params
+    config, family, params = plan.config, plan.family, plan.split.boundary_params
     base = open_data_source(config.data)  # given to every load: no per-sample lookup by URL
 
     def compute(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -330,7 +328,7 @@ def preprocess(
     started = time.perf_counter()
     plan = make_plan(config)
     data = index_data_set(config, shown=Shown(bar=None if progress else False))
-    store = open_cache(config, plan)
+    store = open_cache(plan)
     before = snapshot(store)
     workers = workers or config.preprocess.workers
     run = {"plan": plan, "data": data, "progress": progress, "verify": verify}
@@ -339,7 +337,7 @@ def preprocess(
         workers = 1
     elif workers == 1:
         reports = [preprocess_shard(config, 0, 1, **run)]
-    elif not verify and (cached := all_cached(config, plan, data, store=store)):
+    elif not verify and (cached := all_cached(plan, data, store=store)):
         reports, workers = [cached], 0  # nothing to compute: no worker started
     else:
         threads = int(os.environ.get("SPLITSTAGE_PREPROCESS_THREADS", 0)) or max(
@@ -361,7 +359,7 @@ def preprocess(
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
     if shard is None:
-        result = summarize_preprocess(config, plan, data, reports, before, workers)
+        result = summarize_preprocess(plan, data, reports, before, workers)
     else:  # one shard of many: the coordinator of the whole run writes the manifest
         result = summarize_shards(plan, store, data, reports, workers)
     result.seconds = time.perf_counter() - started

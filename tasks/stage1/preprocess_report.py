@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from splitstage.config.job import SplitstageConfig
 from splitstage.data.index import DataIndex
 from splitstage.tasks.cache.shard_format import SampleNotCachedError
 from splitstage.tasks.cache.store import CacheStore
@@ -109,7 +108,6 @@ def snapshot(store: CacheStore) -> CacheSnapshot:
 
 
 def summarize_preprocess(
-    config: SplitstageConfig,
     plan: JobPlan,
     data: DataIndex,
     reports: Iterable[ShardReport] | None,
@@ -121,7 +119,7 @@ def summarize_preprocess(
     With shard reports (local fan-out) the figures are the workers' own; without them (shards ran
     as other flow runs elsewhere) they come from the cache: what got committed since `before`.
     """
-    store = open_cache(config, plan)
+    store = open_cache(plan)
     store.check("none")  # samples count only with an intact-looking copy
     committed = store.committed_keys()
     # Rows whose image failed to decode were skipped (data.skip_bad_rows): not expected, and the

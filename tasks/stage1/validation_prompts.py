@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.runtime import StepContext
 from splitstage.splitter import UserError
 from splitstage.storage.files import join, open_fs, storage_errors, write_atomic
@@ -28,9 +27,9 @@ FOLDER = "validation-prompts"
 Conditioning = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def prompts_key(config: SplitstageConfig, plan: JobPlan) -> str:
+def prompts_key(plan: JobPlan) -> str:
     """What the embeddings depend on: prompts, negatives, encoders, units and settings."""
-    family = plan.family
+    config, family = plan.config, plan.family
     return stable_hash(
         {
             "pipeline": plan.pipeline.name,
@@ -43,13 +42,13 @@ def prompts_key(config: SplitstageConfig, plan: JobPlan) -> str:
     )[:32]
 
 
-def prompts_path(config: SplitstageConfig, plan: JobPlan) -> tuple[Any, str, str]:
+def prompts_path(plan: JobPlan) -> tuple[Any, str, str]:
     """(fs, path, URL) of this job's validation-prompt embeddings file."""
-    cache = config.cache
+    cache = plan.config.cache
     block = cache.credentials_block
     fs, root = open_fs(cache.url, cache.storage_options, field="cache.url", credentials_block=block)
-    name = f"{prompts_key(config, plan)}.safetensors"
-    return fs, join(root, FOLDER, name), f"{config.cache.url.rstrip('/')}/{FOLDER}/{name}"
+    name = f"{prompts_key(plan)}.safetensors"
+    return fs, join(root, FOLDER, name), f"{cache.url.rstrip('/')}/{FOLDER}/{name}"
 
 
 def encode(plan: JobPlan, models: dict, device: torch.device, prompts, negatives) -> Conditioning:
@@ -60,21 +59,23 @@ def encode(plan: JobPlan, models: dict, device: torch.device, prompts, negatives
         return family.prompt_conditioning(ctx, prompts), family.prompt_conditioning(ctx, negatives)
 
 
-def validation_prompts_written(config: SplitstageConfig, plan: JobPlan) -> bool:
+def validation_prompts_written(plan: JobPlan) -> bool:
     """Whether nothing is left to encode: validation is off or its prompts' file is there."""
+    config = plan.config
     if not config.validation.enabled:
         return True
-    fs, path, url = prompts_path(config, plan)
+    fs, path, url = prompts_path(plan)
     with storage_errors(url, "check", config.cache.storage_options):
         return fs.exists(path)
 
 
-def write_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> str | None:
+def write_validation_prompts(plan: JobPlan) -> str | None:
     """Encode the validation prompts into their file unless it is there; its URL (or None)."""
+    config = plan.config
     if not config.validation.enabled:
         return None
-    fs, path, url = prompts_path(config, plan)
-    if validation_prompts_written(config, plan):
+    fs, path, url = prompts_path(plan)
+    if validation_prompts_written(plan):
         return url
     device = pick_device(config.preprocess.device)
     family = plan.family
@@ -89,10 +90,10 @@ def write_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> str | N
     return url
 
 
-def read_validation_prompts(config: SplitstageConfig, plan: JobPlan) -> Conditioning | None:
+def read_validation_prompts(plan: JobPlan) -> Conditioning | None:
     """The cached (cond, uncond) embeddings, or None when preprocess has not encoded them."""
-    fs, path, url = prompts_path(config, plan)
-    with storage_errors(url, "read", config.cache.storage_options):
+    fs, path, url = prompts_path(plan)
+    with storage_errors(url, "read", plan.config.cache.storage_options):
         if not fs.exists(path):
             return None
         data = fs.cat_file(path)

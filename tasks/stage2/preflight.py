@@ -419,7 +419,7 @@ def check_validation(config: SplitstageConfig, plan: JobPlan, result, *, strict:
     stage2 = set(
         family.model_names if config.train.mode == "unsplit" else plan.split.models["stage2"]
     )
-    if set(family.prompt_models()) <= stage2 or read_validation_prompts(config, plan) is not None:
+    if set(family.prompt_models()) <= stage2 or read_validation_prompts(plan) is not None:
         return
     message = (
         "validation.prompts are not encoded for this cache yet; run `splitstage preprocess "

@@ -171,7 +171,7 @@ class Trainer:
             if self.unsplit
             else CachedBatches(
                 self.config,
-                open_cache(self.config, self.plan, spec.get("cache_key")),
+                open_cache(self.plan, spec.get("cache_key")),
                 self.stage2.dp_rank,
                 self.stage2.dp_size,
                 keys=read_samples(spec.get("samples_file")),

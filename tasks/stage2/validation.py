@@ -130,7 +130,7 @@ class Validator:
                 self.settings.negatives(),
             )
         if self.cached is None:
-            self.cached = read_validation_prompts(self.config, self.plan)
+            self.cached = read_validation_prompts(self.plan)
             if self.cached is None:
                 raise FileNotFoundError(
                     "the validation prompts are not encoded for this cache; run "

@@ -58,7 +58,7 @@ def run(root: Path, name: str, lines: list[str] | None = None, **fields):
 
 def test_each_shape_is_cached_at_its_bucket_and_batches_stay_within_one(workspace):
     cfg = config(workspace, "look")
-    source = CachedBatches(cfg, open_cache(cfg, make_plan(cfg)), 0, 1)
+    source = CachedBatches(cfg, open_cache(make_plan(cfg)), 0, 1)
     assert source.group_labels() == {  # the bucket in pixels, WIDTHxHEIGHT, then its latents
         "64x64 (input_latents 4x8x8)": 13,
         "80x48 (input_latents 4x6x10)": 10,  # the wide sources
@@ -78,7 +78,7 @@ def test_two_ranks_resumed_on_one_finish_the_epoch_with_the_unseen_samples(works
     first = run(workspace, "reshard", nproc_per_node=2, max_steps=2, batch_size=2)
     assert first.updates == 2
     cfg = config(workspace, "reshard", max_steps=None, batch_size=3)
-    source = CachedBatches(cfg, open_cache(cfg, make_plan(cfg)), 0, 1)
+    source = CachedBatches(cfg, open_cache(make_plan(cfg)), 0, 1)
     two = plan_epoch(source.groups, source.keys, epoch=0, seed=3, replicas=2, batch_size=2)
     left = plan_epoch(
         source.groups,

@@ -153,7 +153,7 @@ def test_deleted_index_entry_is_named_by_verify_against_the_manifest(job, capsys
 
 def test_a_good_copy_in_another_shard_keeps_the_sample(job, capsys):
     toml, cache = job
-    store = open_cache(load_config(str(toml)), make_plan(load_config(str(toml))))
+    store = open_cache(make_plan(load_config(str(toml))))
     shard = sorted(cache.glob("shards/*.safetensors"))[0]
     key = sorted(keys_of(cache / "index" / f"{shard.stem}.json"))[0]
     store.write_shard({key: store.read_samples([key])[key]})  # the sample in a second shard
@@ -167,7 +167,7 @@ def test_a_good_copy_in_another_shard_keeps_the_sample(job, capsys):
 def test_an_entry_with_other_params_is_moved_aside(job, capsys):
     toml, cache = job
     config = load_config(str(toml))
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     key = sorted(store.committed_keys())[0]
     odd = store.write_shard({key: {"input_latents": torch.zeros(4, 8, 8)}})  # params of old code
     code, out = verify(toml, capsys)
@@ -254,7 +254,7 @@ def test_a_deleted_shard_on_s3_is_recomputed(golden, tmp_path, s3_bucket, monkey
     assert "holds no samples" in capsys.readouterr().err
     assert preprocess(toml, capsys)["computed"] == 12
     config = load_config(str(toml))
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     victim = sorted(store.fs.ls(f"{store.root}/shards"))[0]
     store.fs.rm_file(victim)
     assert main(["preprocess", str(toml)]) == 0

@@ -139,7 +139,7 @@ def test_two_workers_without_shared_disk_and_a_rerun_after_changes(
     assert (final.computed, final.reused) == (0, len(new_keys))
     from splitstage.tasks.job_plan import make_plan, open_cache
 
-    manifest = open_cache(parsed, make_plan(parsed)).read_manifest()
+    manifest = open_cache(make_plan(parsed)).read_manifest()
     assert set(manifest["samples"]) == new_keys  # stage 2's sample set: the deleted one is gone
 
     # a night's new rows appended to the metadata: only they are parsed, read and keyed

@@ -67,7 +67,7 @@ def job(assets: Path, tmp: Path, name: str = "faults", cache: dict | None = None
 
 def assert_complete_and_consistent(config) -> CacheStore:
     """Every sample is committed exactly once and every committed shard verifies."""
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     store.refresh()
     report = store.verify()
     assert report.ok, report.lines()
@@ -99,7 +99,7 @@ def test_whole_preprocess_run_killed_then_rerun_loses_nothing(assets, tmp_path):
     # Each worker stops committing after its first shard: the kill lands mid-run however fast
     # the workers are (they could otherwise finish between two looks at the cache).
     proc = start_preprocess(config, tmp_path, workers=2, SPLITSTAGE_FAULT_PAUSE_AFTER_SHARDS="1")
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     deadline = time.time() + 120
     while time.time() < deadline and not store.committed_keys():
         store.refresh()
@@ -175,7 +175,7 @@ def test_two_runs_writing_one_cache_at_once_both_finish_consistently(assets, tmp
 def test_damaged_cache_is_named_and_never_trained_on(assets, tmp_path, damage):
     config = job(assets, tmp_path, name=f"damaged-{damage.split()[0]}")
     preprocess(config, workers=1, progress=False)
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     shard = sorted(Path(store.root).glob("shards/*.safetensors"))[0]
     if damage == "flip a byte":
         data = bytearray(shard.read_bytes())

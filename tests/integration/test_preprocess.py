@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cached(config) -> dict:
     """Every cached sample of the job's cache."""
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     return store.read_samples(sorted(store.committed_keys()))
 
 
@@ -43,7 +43,7 @@ def assert_index_from_snapshot(config, monkeypatch, samples: int = 24) -> None:
     real = CacheStore._scan
     with monkeypatch.context() as m:
         m.setattr(CacheStore, "_scan", lambda self, paths: reads.extend(paths) or real(self, paths))
-        assert len(open_cache(config, make_plan(config)).key_table()) == samples
+        assert len(open_cache(make_plan(config)).key_table()) == samples
     assert reads == []
 
 
@@ -123,7 +123,7 @@ def test_killed_worker_then_rerun_completes_without_recomputing_commits(assets, 
     env = {**os.environ, "SPLITSTAGE_FAULT_KILL_AFTER_SHARDS": "1", "PYTHONPATH": str(ROOT)}
     killed = subprocess.run([sys.executable, "-c", script, str(config_path)], env=env)
     assert killed.returncode == -9
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     committed = store.committed_keys()
     assert len(committed) == 8  # one shard committed before the kill
     shard_files = {p: os.stat(p).st_mtime_ns for p in Path(store.root).glob("shards/*")}
@@ -247,7 +247,7 @@ def test_cli_cache_stats_and_verify_name_a_damaged_shard(assets, tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["samples"] == 24
     assert main(["cache", "verify", str(toml)]) == 0
     assert "OK" in capsys.readouterr().out
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     shard = sorted(Path(store.root).glob("shards/*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

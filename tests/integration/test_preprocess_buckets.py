@@ -69,7 +69,7 @@ def test_two_sizes_are_batched_apart_and_cached_exactly(
     config = job(assets, demo_weights, tmp_path / "a")
     report = preprocess(config, workers=1, progress=False)
     assert (report.computed, report.shards_written) == (20, 4)
-    store = open_cache(config, make_plan(config))
+    store = open_cache(make_plan(config))
     got = store.read_samples(sorted(store.committed_keys()))
     shapes = sorted(tuple(s["input_latents"].shape) for s in got.values())
     assert shapes == [(4, 4, 6)] * 10 + [(4, 8, 8)] * 10
@@ -89,6 +89,6 @@ def test_two_sizes_are_batched_apart_and_cached_exactly(
     again = job(assets, demo_weights, tmp_path / "b")
     preprocess(again, workers=1, progress=False)
     names = {p.name for p in Path(store.root).glob("shards/*")}
-    other = open_cache(again, make_plan(again))
+    other = open_cache(make_plan(again))
     assert names == {p.name for p in Path(other.root).glob("shards/*")}
     shutil.rmtree(tmp_path / "b")

@@ -58,7 +58,7 @@ def test_the_row_is_named_recorded_and_a_rerun_starts_no_worker(assets, tmp_path
     assert first.skipped_lines() == [f"skipped (data.skip_bad_rows) {why}"]
     (key,) = records(config)
     assert records(config)[key]["decoder"] == undecodable.DECODER
-    assert list(open_cache(config, make_plan(config)).read_manifest()["undecodable"]) == [key]
+    assert list(open_cache(make_plan(config)).read_manifest()["undecodable"]) == [key]
     with monkeypatch.context() as m:
         no_pool_no_models(m)
         again = preprocess(config, workers=2, progress=False)
@@ -127,9 +127,9 @@ def test_a_newer_decoder_or_verify_tries_the_row_again(assets, tmp_path, monkeyp
 def test_shards_run_elsewhere_leave_the_rows_for_the_coordinator(assets, tmp_path):
     config, _image, _good, _lines = skipping_job(assets, tmp_path)
     plan, data = make_plan(config), index_data_set(config)
-    before = snapshot(open_cache(config, plan))
+    before = snapshot(open_cache(plan))
     for shard in range(2):  # as `preprocess/gpu` runs do: no report reaches the coordinator
         preprocess_shard(config, shard, 2, plan=plan, data=data, progress=False)
-    report = summarize_preprocess(config, plan, data, None, before, workers=2)
+    report = summarize_preprocess(plan, data, None, before, workers=2)
     assert (report.computed, report.skipped, [r[0] for r in report.skipped_rows]) == (23, 1, [4])
-    assert len(open_cache(config, plan).read_manifest()["undecodable"]) == 1
+    assert len(open_cache(plan).read_manifest()["undecodable"]) == 1

@@ -102,7 +102,7 @@ def test_prompts_are_encoded_beside_the_cache_and_grids_are_written(root):
 def test_changed_prompts_keep_the_cache_and_a_sampling_failure_never_fails_the_run(root):
     config = job(root, "changed", validation={"prompts": ["a handwritten digit two"]})
     preprocess(config, workers=1, progress=False)
-    fs, path, _ = prompts_path(config, make_plan(config))
+    fs, path, _ = prompts_path(make_plan(config))
     assert Path(path).is_file()
     report = run(config, root, env={"SPLITSTAGE_FAULT_VALIDATION": "1"})
     assert report.updates == 2 and report.samples == {}

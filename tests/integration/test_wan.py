@@ -174,7 +174,7 @@ def test_shorten_puts_short_clips_in_frame_buckets_cached_and_counted_apart(root
     frames = [plan.family.load_sample(row, root / "data")["video"].shape[0] for row in rows]
     assert frames == [5, 5, 9, 9, 1, 1]
     assert preprocess(config, workers=1, progress=False).computed == 6
-    groups = open_cache(config, plan).stats().buckets
+    groups = open_cache(plan).stats().buckets
     assert sorted(groups.values()) == [2, 2, 2]
     latent_frames = sorted(label.split("latent_mean 4x")[1][0] for label in groups)
     assert latent_frames == ["1", "2", "3"], groups
