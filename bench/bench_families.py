@@ -232,7 +232,7 @@ class Steps:
         self.models = {name: family.build_model(name, device) for name in family.model_names}
         name = family.denoiser  # frozen: in pipeline.precision; the denoiser trains in fp32
         # with LoRA under `precision` autocast, as stage 2's trainer does
-        self.models[name] = add_lora(self.models[name].float(), config, family).train()
+        self.models[name] = add_lora(self.models[name].float(), family).train()
         params = [p for p in self.models[name].parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=1e-4)
         self.rows = index_data_set(config).rows[: config.train.batch_size]

@@ -58,7 +58,7 @@ def denoiser_alone(config, updates: int, batch: int) -> float:
     torch.set_num_threads(1)
     family = family_for(config)
     model = family.build_model(family.denoiser, torch.device("cpu"))
-    model = add_lora(model, config, family)
+    model = add_lora(model, family)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     latents = torch.randn(batch, 4, 8, 8)

@@ -109,7 +109,7 @@ def one_case(folder: Path, size: int, batch: int, steps: int, train: dict) -> di
     baseline = rss_mb()
     dist = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
     lines: list[str] = []
-    stage2 = build_stage2_models(config, plan, dist, names=["transformer"], log=lines.append)
+    stage2 = build_stage2_models(plan, dist, names=["transformer"], log=lines.append)
     model = stage2.models["transformer"]
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     trained = [p for p in model.parameters() if p.requires_grad]

@@ -263,11 +263,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     plan = make_plan(config)
-    checks = preflight(config, plan)
+    checks = preflight(plan)
     print(plan_table(plan.split))
     print(f"cache key: {plan.cache_key}")
     device = pick_device()
-    for line in planned_precision(config, plan.family, device):
+    for line in planned_precision(plan.family, device):
         print(f"stage 2 on {device.type}: {line}")
     for warning in checks.warnings:
         print(f"splitstage: warning: {warning}", file=sys.stderr)

@@ -147,7 +147,8 @@ class CachedBatches(PlannedBatches):
 class RawBatches(PlannedBatches):
     """Batches decoded from the data set every step: what training without a cache reads."""
 
-    def __init__(self, config: SplitstageConfig, family: Family, rank: int, world_size: int):
+    def __init__(self, family: Family, rank: int, world_size: int):
+        config = family.config
         super().__init__(config, rank, world_size)
         self.family = family
         self.data_source = open_data_source(config.data)  # given to every load (no URL lookup)

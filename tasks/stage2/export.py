@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.family import ExportRequest, Family
 from splitstage.storage.files import ensure_folder, join, open_fs, storage_errors, write_atomic
 from splitstage.storage.safetensors_io import read_header
@@ -22,7 +21,6 @@ from splitstage.tasks.stage2.resume_identity import IDENTITY, export_metadata
 
 
 def request_for(
-    config: SplitstageConfig,
     lora: bool,
     family: Family,
     steps: int,
@@ -30,6 +28,7 @@ def request_for(
 ):
     """What this run exports: LoRA (rank, alpha, `targets`: those preflight adapted, default
     the family's list) or full weights."""
+    config = family.config
     trainable = config.trainable
     listed = family.lora_targets(trainable.lora_base_model) if lora else []
     if targets is not None:  # the family's order, less the defaults the model lacks
@@ -44,11 +43,12 @@ def request_for(
     )
 
 
-def check_export(config: SplitstageConfig, plan: JobPlan) -> None:
+def check_export(plan: JobPlan) -> None:
     """Before launch: the family can export each trained model as asked (which models, LoRA or
     full, `output.remove_prefix_in_ckpt`), else one ConfigError line from the family."""
+    config = plan.config
     lora = config.trainable.lora_base_model is not None
-    request = request_for(config, lora, plan.family, steps=0)
+    request = request_for(lora, plan.family, steps=0)
     for name in config.trainable.models():
         model = plan.meta_model(name)
         keys = (
@@ -68,7 +68,6 @@ def trained_state(stage2: Stage2Models) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def export_weights(
-    config: SplitstageConfig,
     family: Family,
     stage2: Stage2Models,
     spec: dict[str, Any],
@@ -84,11 +83,11 @@ def export_weights(
         return {}
     url = spec["output_url"]
     key = "output_storage_options"  # resolved once by the launcher (run_paths) into the spec
-    options = spec[key] if key in spec else output_storage_options(config, url)
+    options = spec[key] if key in spec else output_storage_options(family.config, url)
     fs, root = open_fs(url, options)
     ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
     settings = spec.get("settings") or {}
-    request = request_for(config, stage2.lora, family, steps, settings.get("lora_targets"))
+    request = request_for(stage2.lora, family, steps, settings.get("lora_targets"))
     base = export_metadata(settings.get(IDENTITY))
     written = {}
     for name, state in states.items():

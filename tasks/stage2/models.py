@@ -110,11 +110,11 @@ def _width(module: nn.Module) -> int:
     return 0
 
 
-def add_lora(model: nn.Module, config: SplitstageConfig, family: Family) -> nn.Module:
+def add_lora(model: nn.Module, family: Family) -> nn.Module:
     """Inject LoRA adapters (peft) into the target modules; only the adapters train."""
     from peft import LoraConfig, inject_adapter_in_model  # 2-4 s of imports (transformers)
 
-    trainable = config.trainable
+    trainable = family.config.trainable
     targets = check_lora_targets(
         model,
         trainable.lora_base_model,
@@ -147,9 +147,10 @@ def frozen_base_dtype(
     return native if native is not None else pick_dtype(config.train.mixed_precision, device)
 
 
-def planned_precision(config: SplitstageConfig, family: Family, device: torch.device) -> list[str]:
+def planned_precision(family: Family, device: torch.device) -> list[str]:
     """What each trained model will be held in on `device`, for the plan (the rank logs what it
     actually holds): 'dit: frozen base bf16 (train.weight_dtype = auto), LoRA params fp32'."""
+    config = family.config
     lines = []
     for name in config.trainable.models():
         if name == config.trainable.lora_base_model:
@@ -185,13 +186,12 @@ def hold_base_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def adapt_trained(
-    model: nn.Module, name: str, config: SplitstageConfig, family: Family, device: torch.device
-) -> nn.Module:
+def adapt_trained(model: nn.Module, name: str, family: Family, device: torch.device) -> nn.Module:
     """The trained model before sharding: LoRA (frozen base in its dtype, adapters fp32) or all
     parameters trained (fp32 master weights, as built), then gradient checkpointing."""
+    config = family.config
     if name == config.trainable.lora_base_model:
-        model = add_lora(model, config, family)
+        model = add_lora(model, family)
         hold_base_in(model, frozen_base_dtype(config, family, name, device))
     else:
         model.requires_grad_(True)
@@ -223,7 +223,6 @@ def print_line(line: str) -> None:
 
 
 def build_stage2_models(
-    config: SplitstageConfig,
     plan: JobPlan,
     dist_info: DistInfo,
     *,
@@ -233,6 +232,7 @@ def build_stage2_models(
     """Build the stage-2 models (or `names`): frozen ones loaded plainly, trained ones sharded.
 
     Logs (`log`, default: print on rank 0) the dtype each model is held in."""
+    config = plan.config
     names = list(names or plan.split.models["stage2"])
     trained_names = [n for n in config.trainable.models() if n in names]
     mode, dp, tp = parallel_mode(config, dist_info.world_size)
@@ -252,7 +252,7 @@ def build_stage2_models(
             models[name] = model
             continue
         model = family.build_model(name, dist_info.device, meta=True)
-        model = adapt_trained(model, name, config, family, dist_info.device)
+        model = adapt_trained(model, name, family, dist_info.device)
         parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
         if mode in ("tp", "fsdp+tp"):
             family.tp_prepare(model, tp)

@@ -143,7 +143,7 @@ class PipelineTrainer(Trainer):
         model = family.build_model(denoiser, device, meta=True)
         family.pp_prune(model, parts[self.dist.rank])
         lora = config.trainable.lora_base_model == denoiser
-        model = adapt_trained(model, denoiser, config, family, device)  # LoRA, dtype, checkpointing
+        model = adapt_trained(model, denoiser, family, device)  # LoRA, dtype, checkpointing
         weights = family.weights_file(denoiser)
         if weights is None:
             raise ConfigError(
@@ -254,7 +254,6 @@ class PipelineTrainer(Trainer):
 
         def write(states: dict[str, torch.Tensor], suffix: str = "") -> dict[str, str]:
             return export_weights(
-                self.config,
                 self.family,
                 self.stage2,
                 self.spec,

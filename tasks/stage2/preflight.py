@@ -84,10 +84,10 @@ def check_layout(config: SplitstageConfig) -> None:
         parallel_mode(config, config.train.nnodes * config.train.nproc_per_node)
 
 
-def check_models(config: SplitstageConfig, plan: JobPlan) -> None:
+def check_models(plan: JobPlan) -> None:
     """Every model stage 2 builds has a usable source, and its weights file fits it."""
     family = plan.family
-    unsplit = config.train.mode == "unsplit"
+    unsplit = plan.config.train.mode == "unsplit"
     names = list(family.model_names) if unsplit else plan.split.models["stage2"]
     family.check_models(names)
     for name in names:
@@ -100,8 +100,9 @@ def check_models(config: SplitstageConfig, plan: JobPlan) -> None:
                 raise ConfigError(f"models.{name}.weights: {error}") from None
 
 
-def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
+def check_trainable(plan: JobPlan) -> list[str]:
     """Exactly one trained model; LoRA targets that exist and a rank they can hold."""
+    config = plan.config
     trained = config.trainable.models()
     if not trained:
         raise ConfigError(
@@ -122,18 +123,18 @@ def check_trainable(config: SplitstageConfig, plan: JobPlan) -> list[str]:
     return check_lora_targets(plan.meta_model(base), base, targets, rank, named=named)
 
 
-def check_gradient_checkpointing(config: SplitstageConfig, plan: JobPlan) -> None:
+def check_gradient_checkpointing(plan: JobPlan) -> None:
     """train.gradient_checkpointing: the family can recompute every trained model."""
+    config = plan.config
     if not config.train.gradient_checkpointing:
         return
     for name in config.trainable.models():
         plan.family.check_gradient_checkpointing(name)
 
 
-def check_cache(
-    config: SplitstageConfig, plan: JobPlan, data: DataIndex, result: Preflight
-) -> None:
+def check_cache(plan: JobPlan, data: DataIndex, result: Preflight) -> None:
     """The cache exists and holds exactly the data set's samples (or training was told to go on)."""
+    config = plan.config
     if config.cache.url.startswith("memory://") and config.train.mode == "split":
         raise ConfigError(
             "cache.url: a memory:// cache lives inside one process, and stage 2 runs in torchrun "
@@ -193,14 +194,15 @@ class DataSetBatches(PlannedBatches):
 
 
 def batch_source(
-    config: SplitstageConfig, plan: JobPlan, data: DataIndex, result: Preflight, dp: int
+    plan: JobPlan, data: DataIndex, result: Preflight, dp: int
 ) -> tuple[PlannedBatches, bool]:
     """The batch source stage 2 builds (rank 0's view: every rank plans the same batches) and
     whether it knows the real groups: the cache's groups (aspect buckets) when the cache is
     ready, the raw data set's in unsplit mode (which, as its trainer, decodes each image once
     when buckets are on), else every sample in one group."""
+    config = plan.config
     if config.train.mode == "unsplit":
-        return RawBatches(config, plan.family, 0, dp), True
+        return RawBatches(plan.family, 0, dp), True
     if result.keys is None:  # validate before (or between) stage-1 runs
         return DataSetBatches(config, list(data.keys), dp), False
     return CachedBatches(config, plan.cache, 0, dp, keys=result.keys), True
@@ -354,23 +356,22 @@ def precision_warnings(config: SplitstageConfig) -> list[str]:
     return []
 
 
-def preflight(
-    config: SplitstageConfig, plan: JobPlan, paths: dict[str, str] | None = None
-) -> Preflight:
+def preflight(plan: JobPlan, paths: dict[str, str] | None = None) -> Preflight:
     """Every check before `train`; `paths` (from `run_paths`) adds the output, scratch and resume
     checks. Without `paths` (`splitstage validate`) a cache that is not ready is a warning."""
+    config = plan.config
     result = Preflight()
     check_layout(config)
     check_update_rule(config.train)
-    check_models(config, plan)
-    targets = check_trainable(config, plan)
-    check_export(config, plan)
-    check_gradient_checkpointing(config, plan)
+    check_models(plan)
+    targets = check_trainable(plan)
+    check_export(plan)
+    check_gradient_checkpointing(plan)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
     saved = saved_checkpoint(paths) if paths is not None else None  # listed and read once
     if paths is not None:  # recorded in each checkpoint: a resume on another base is refused
-        result.settings[IDENTITY] = identity = run_identity(config, plan)
+        result.settings[IDENTITY] = identity = run_identity(plan)
         if saved is not None:
             step, url, settings = saved
             result.warnings += check_resume_identity(
@@ -378,13 +379,13 @@ def preflight(
             )
     data = index_data_set(config)
     try:
-        check_cache(config, plan, data, result)
+        check_cache(plan, data, result)
     except StaleCacheError as error:
         if paths is not None:
             raise
         result.warnings.append(f"train would refuse now: {error}")
         result.sample_count = len(data.keys)
-    source, known = batch_source(config, plan, data, result, dp)
+    source, known = batch_source(plan, data, result, dp)
     result.tail = check_batches(config, source, dp)
     tail = result.tail
     if known and (tail["groups"] > 1 or tail["dropped"] or tail["repeated"]):
@@ -392,7 +393,7 @@ def preflight(
             result.warnings.append(source.tail_line())  # what the trainer logs, before it starts
         else:
             result.notes.append(grouping_line(source))
-    check_validation(config, plan, result, strict=paths is not None)
+    check_validation(plan, result, strict=paths is not None)
     tracker_names(config)  # an explicitly named tracker that is not installed
     result.warnings += precision_warnings(config)
     if paths is not None:
@@ -403,9 +404,10 @@ def preflight(
     return result
 
 
-def check_validation(config: SplitstageConfig, plan: JobPlan, result, *, strict: bool) -> None:
+def check_validation(plan: JobPlan, result, *, strict: bool) -> None:
     """[validation] can sample: a family sampler and decoder, and prompts encoded in stage 1
     when stage 2 holds no prompt encoder (else `train` would sample nothing)."""
+    config = plan.config
     if not config.validation.enabled:
         return
     if config.train.parallelism == "pp":
@@ -415,7 +417,7 @@ def check_validation(config: SplitstageConfig, plan: JobPlan, result, *, strict:
         )
     family = plan.family
     family.check_sampling()
-    check_validation_sizes(config, family)
+    check_validation_sizes(family)
     stage2 = set(
         family.model_names if config.train.mode == "unsplit" else plan.split.models["stage2"]
     )

@@ -36,7 +36,7 @@ def prepare(
     to train on, when they are not the cache's manifest, are written into `staging`."""
     plan = make_plan(config)
     paths = run_paths(config, run_id, run_root)
-    checks = preflight(config, plan, paths)
+    checks = preflight(plan, paths)
     samples_file = None
     if checks.samples is not None:  # compact: 32 bytes a sample key
         samples_file = str(staging / SAMPLES_FILE)

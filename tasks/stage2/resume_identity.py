@@ -16,7 +16,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from splitstage.config.job import SplitstageConfig
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.resume import ResumeConfigError
 
@@ -24,10 +23,10 @@ IDENTITY = "base"  # the key of the identity in the recorded run settings
 _SHOWN = 12  # hex digits of a fingerprint shown in messages and metadata
 
 
-def run_identity(config: SplitstageConfig, plan: JobPlan) -> dict[str, Any]:
+def run_identity(plan: JobPlan) -> dict[str, Any]:
     """{family, pipeline, models: {name: {fingerprint, source}}} of every model the run uses."""
     family = plan.family
-    if config.train.mode == "unsplit":
+    if plan.config.train.mode == "unsplit":
         names = set(family.model_names)
     else:
         names = set(plan.split.models["stage1"]) | set(plan.split.models["stage2"])

@@ -167,7 +167,7 @@ class Trainer:
         # Unsplit runs every unit in pipeline order each step; split runs only V1.
         self.units = list(self.plan.units) if self.unsplit else self.plan.v1_units
         self.source = (
-            RawBatches(self.config, self.family, self.stage2.dp_rank, self.stage2.dp_size)
+            RawBatches(self.family, self.stage2.dp_rank, self.stage2.dp_size)
             if self.unsplit
             else CachedBatches(
                 self.config,
@@ -178,7 +178,6 @@ class Trainer:
             )
         )
         self.validator = Validator(
-            self.config,
             self.plan,
             self.stage2.models,
             self.dist.device,
@@ -231,7 +230,7 @@ class Trainer:
 
     def build_models(self, names: list[str] | None) -> Stage2Models:
         """This rank's stage-2 models (`names`, default the plan's); PipelineTrainer splits them."""
-        return build_stage2_models(self.config, self.plan, self.dist, names=names)
+        return build_stage2_models(self.plan, self.dist, names=names)
 
     # -- one update ----------------------------------------------------------------------------
     def step_context(self, keys: list[str], epoch: int) -> StepContext:
@@ -479,13 +478,10 @@ class Trainer:
     def export(self) -> dict[str, str]:
         """Write the trained weights (collective); rank 0 gets their URLs."""
         require_finite(self.stage2.parameters(), self.dist.device)
-        written = export_weights(
-            self.config, self.family, self.stage2, self.spec, steps=self.total_updates
-        )
+        written = export_weights(self.family, self.stage2, self.spec, steps=self.total_updates)
         if self.average is not None:  # the average beside the weights, in the same formats
             written |= self.average.swapped_in(
                 lambda: export_weights(
-                    self.config,
                     self.family,
                     self.stage2,
                     self.spec,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError
 from splitstage.config.monitoring import size_label
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
@@ -33,10 +33,10 @@ GRID_TAG = "samples"  # the trackers' image name (a size's grid: "samples/768x51
 Size = tuple[int, int]  # (height, width) pixels
 
 
-def check_validation_sizes(config: SplitstageConfig, family: Family) -> None:
+def check_validation_sizes(family: Family) -> None:
     """`validation.sizes` fit the family (checked before launch): it samples images of a chosen
     size, and both sides are multiples of its side multiple (the VAE's and denoiser's patches)."""
-    settings = config.validation
+    settings = family.config.validation
     if not settings.enabled or not settings.sizes:
         return
     resolution = family.image_resolution()
@@ -77,7 +77,6 @@ class Validator:
 
     def __init__(
         self,
-        config: SplitstageConfig,
         plan: JobPlan,
         models: dict[str, torch.nn.Module],
         device: torch.device,
@@ -89,8 +88,8 @@ class Validator:
         on_grid: Callable[[int, bytes, str], None] | None = None,
         on_clips: Callable[[int, list[bytes], str], None] | None = None,
     ):
-        self.config, self.plan, self.models, self.device = config, plan, models, device
-        self.settings = config.validation
+        self.config, self.plan, self.models, self.device = plan.config, plan, models, device
+        self.settings = self.config.validation
         self.output_url = output_url
         self.is_main, self.log, self.autocast = is_main, log, autocast
         self.on_grid = on_grid  # e.g. the trackers' image logging: (update, png, tag)

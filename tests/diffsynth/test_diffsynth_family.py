@@ -153,7 +153,7 @@ def test_stage2_model_equals_diffsynths_loaded_model(root, registered, name):
     config = job(root, name)
     info = json.loads((root / name / "info.json").read_text())
     dist_info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
-    model = build_stage2_models(config, make_plan(config), dist_info, names=["dit"]).models["dit"]
+    model = build_stage2_models(make_plan(config), dist_info, names=["dit"]).models["dit"]
     pipe = fresh(name, info)
     reference = pipe.dit
     ours = {
@@ -222,7 +222,7 @@ def test_stage2_builds_the_trained_dit_once_and_loads_nothing_else(root, name, c
     plan = make_plan(config)
     capsys.readouterr()
     dist_info = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
-    models = build_stage2_models(config, plan, dist_info).models
+    models = build_stage2_models(plan, dist_info).models
     assert sorted(models) == sorted(plan.split.models["stage2"]) and "dit" in models
     assert "text_encoder" not in models and not any("vae" in name for name in models)
     absent = [n for n, m in models.items() if getattr(m, "diffsynth_absent", False)]

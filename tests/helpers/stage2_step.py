@@ -74,7 +74,7 @@ def trained_model(config: SplitstageConfig, lines: list[str] | None = None):
     plan = make_plan(config)
     name = config.trainable.models()[0]
     log = (lambda line: lines.append(line)) if lines is not None else (lambda line: None)
-    stage2 = build_stage2_models(config, plan, ONE_CPU, names=[name], log=log)
+    stage2 = build_stage2_models(plan, ONE_CPU, names=[name], log=log)
     return plan, stage2.models[name]
 
 

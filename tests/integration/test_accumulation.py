@@ -37,7 +37,7 @@ def one_rank_trainer(workspace: Path, accum: int) -> Trainer:
     config = tiny_config(workspace, f"accum{accum}", 0, gradient_accumulation_steps=accum)
     plan = make_plan(config)
     paths = run_paths(config, f"accum{accum}", workspace / "runs")
-    checks = preflight(config, plan, paths)
+    checks = preflight(plan, paths)
     run_dir = Path(paths["run_dir"])
     spec = write_spec(config, run_dir.name, plan.cache_key, run_dir, paths, checks)
     return Trainer(json.loads(spec.read_text()))

@@ -93,7 +93,7 @@ def run(config, root: Path):
 def trained_from_checkpoint(config, report):
     """The denoiser as the run left it: meta build, LoRA, load, then its last DCP checkpoint."""
     plan = make_plan(config)
-    stage2 = build_stage2_models(config, plan, ONE_CPU)
+    stage2 = build_stage2_models(plan, ONE_CPU)
     step = latest_checkpoint(report.checkpoint_url, clean=False)
     trained = stage2.trained[0]
     load_checkpoint(report.checkpoint_url, step, stage2.models[trained], None, restore_rng=False)

@@ -70,7 +70,7 @@ def test_a_model_the_family_cannot_recompute_is_refused_in_one_line(root):
     config = demo_config(root, trainable={"full": ["vae"]}, gradient_checkpointing=True)
     plan = make_plan(config)
     with pytest.raises(ConfigError) as error:
-        check_gradient_checkpointing(config, plan)
+        check_gradient_checkpointing(plan)
     message = str(error.value)
     assert "train.gradient_checkpointing" in message and "demo" in message
     assert "'vae'" in message and "\n" not in message
@@ -78,7 +78,7 @@ def test_a_model_the_family_cannot_recompute_is_refused_in_one_line(root):
         plan.family.enable_gradient_checkpointing("vae", torch.nn.Linear(2, 2))
     for make in (demo_config, flux_config):  # the DiT, FLUX's transformer: accepted
         config = make(root, gradient_checkpointing=True)
-        check_gradient_checkpointing(config, make_plan(config))
+        check_gradient_checkpointing(make_plan(config))
 
 
 def test_fsdp_with_checkpointing_equals_fsdp_without_and_refusals_come_before_launch(

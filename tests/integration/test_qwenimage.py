@@ -236,7 +236,7 @@ def test_the_sampler_matches_the_qwenimage_pipeline(root):
 def trained_from_checkpoint(config, report):
     """The transformer as the run left it: meta build, LoRA, load, its last DCP checkpoint."""
     plan = make_plan(config)
-    stage2 = build_stage2_models(config, plan, ONE_CPU)
+    stage2 = build_stage2_models(plan, ONE_CPU)
     step = latest_checkpoint(report.checkpoint_url, clean=False)
     model = stage2.models["transformer"]
     load_checkpoint(report.checkpoint_url, step, model, None, restore_rng=False)

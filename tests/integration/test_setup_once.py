@@ -45,7 +45,7 @@ def test_preflight_builds_each_meta_model_once_and_opens_the_cache_once(workspac
         outputs, "output_storage_options", lambda *a: resolved.append(a[1]) or options(*a)
     )
     paths = run_paths(config, "once", workspace / "runs")
-    checks = preflight(config, plan, paths)
+    checks = preflight(plan, paths)
     assert checks.sample_count == 16
     # the output and checkpoint options, resolved once each (run_paths), then passed down
     assert resolved == [paths["output_url"], paths["checkpoint_url"]]

@@ -69,7 +69,7 @@ def test_prompts_are_encoded_beside_the_cache_and_grids_are_written(root):
     first = preprocess(plain, workers=1, progress=False)
     assert first.computed == 8 and first.validation_prompts is None
     with pytest.raises(ConfigError, match=r"validation.prompts are not encoded.*preprocess"):
-        preflight(config, make_plan(config), paths={})  # refused before launch
+        preflight(make_plan(config), paths={})  # refused before launch
     again = preprocess(config, workers=1, progress=False)
     assert (again.computed, again.reused) == (0, 8)  # only the prompts were encoded
     assert Path(again.validation_prompts).is_file()
@@ -144,4 +144,4 @@ def test_bad_validation_settings_are_one_line_errors(root, monkeypatch):
         lambda name, *a: None if name == "wandb" else real_find_spec(name, *a),
     )
     with pytest.raises(ConfigError, match=r"tracking.report_to: wandb is not installed; `pip"):
-        preflight(config, make_plan(config), paths={})
+        preflight(make_plan(config), paths={})

@@ -51,7 +51,7 @@ def demo_models(demo_weights):
 def validator(config, models, out, lines, grids):
     on_grid = lambda update, png, tag: grids.append((update, tag, png))  # noqa: E731
     return Validator(
-        config, make_plan(config), models, CPU, str(out), is_main=True, log=lines.append,
+        make_plan(config), models, CPU, str(out), is_main=True, log=lines.append,
         on_grid=on_grid,
     )  # fmt: skip
 
@@ -134,7 +134,7 @@ class SizelessDemo(DemoFamily):
 def test_sizes_the_family_cannot_draw_are_one_line(demo_weights, sizes, needles):
     config = demo_config(demo_weights, "/unused", sizes=sizes)
     with pytest.raises(ConfigError) as error:
-        check_validation_sizes(config, make_plan(config).family)
+        check_validation_sizes(make_plan(config).family)
     line = str(error.value)
     assert line.startswith("validation.sizes: ") and "\n" not in line
     for needle in needles:
@@ -143,11 +143,11 @@ def test_sizes_the_family_cannot_draw_are_one_line(demo_weights, sizes, needles)
 
 def test_fitting_sizes_pass_and_a_sizeless_family_is_refused(demo_weights):
     config = demo_config(demo_weights, "/unused", sizes=["64x32", "48x96"])
-    check_validation_sizes(config, make_plan(config).family)  # multiples of 16: no error
+    check_validation_sizes(make_plan(config).family)  # multiples of 16: no error
     off = demo_config(demo_weights, "/unused", prompts=[], sizes=["64x40"])
-    check_validation_sizes(off, make_plan(off).family)  # nothing samples: nothing to check
+    check_validation_sizes(make_plan(off).family)  # nothing samples: nothing to check
     with pytest.raises(ConfigError, match=r"^validation.sizes: the demo family does not sample "):
-        check_validation_sizes(config, SizelessDemo(config))
+        check_validation_sizes(SizelessDemo(config))
 
 
 # -- diffusers families: a non-square sample is the diffusers pipeline's at that size --------------
@@ -201,6 +201,6 @@ def test_the_preflight_refuses_a_size_the_family_cannot_draw(demo_weights):
 
     config = demo_config(demo_weights, "/unused", sizes=["64x40"])
     with pytest.raises(ConfigError, match=r"^validation.sizes: '64x40': .*use '64x48'"):
-        check_validation(config, make_plan(config), Preflight(), strict=False)
+        check_validation(make_plan(config), Preflight(), strict=False)
     fits = demo_config(demo_weights, "/unused", sizes=["64x48"])
-    check_validation(fits, make_plan(fits), Preflight(), strict=False)
+    check_validation(make_plan(fits), Preflight(), strict=False)

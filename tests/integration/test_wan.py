@@ -351,7 +351,7 @@ def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(
         for key, tensor in trained.state_dict().items()
         if "lora_" in key
     }
-    request = request_for(plan.config, True, family, steps=1)
+    request = request_for(True, family, steps=1)
     files = family.export_files("transformer_2", state, request)
     assert sorted(files) == ["transformer_2", "transformer_2_comfyui"]
     with torch.no_grad():
@@ -372,7 +372,7 @@ def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(
 def trained_from_checkpoint(config, report):
     """The transformer as the run left it: meta build, LoRA, load, its last DCP checkpoint."""
     plan = make_plan(config)
-    stage2 = build_stage2_models(config, plan, ONE_CPU)
+    stage2 = build_stage2_models(plan, ONE_CPU)
     step = latest_checkpoint(report.checkpoint_url, clean=False)
     model = stage2.models["transformer"]
     load_checkpoint(report.checkpoint_url, step, model, None, restore_rng=False)

@@ -123,7 +123,7 @@ def validate(config: dict) -> list[str]:
         mp.setattr(subprocess.Popen, "__init__", no_launch)
         mp.setattr(multiprocessing.Process, "start", no_launch)
         parsed = config_from_dict(config)
-        return preflight(parsed, make_plan(parsed)).warnings
+        return preflight(make_plan(parsed)).warnings
 
 
 def refused(config: dict, *needles: str) -> str:

@@ -45,7 +45,7 @@ def main() -> None:
     frozen = {name: family.build_model(name, info.device) for name in plan.split.models["stage1"]}
     settings = family.settings()
     run_units(plan.v2_units, StepContext(frozen, info.device, settings=settings), batch)
-    stage2 = build_stage2_models(config, plan, info)
+    stage2 = build_stage2_models(plan, info)
     optimizer = torch.optim.AdamW(stage2.parameters(), lr=1e-3)
     losses = []
     for step in range(STEPS):
@@ -60,7 +60,7 @@ def main() -> None:
         losses.append(loss.item())
     if config.validation.enabled:  # sample with the trained model: the same grid on any layout
         validator = Validator(
-            config, plan, stage2.models, info.device, str(out), is_main=info.is_main, log=print
+            plan, stage2.models, info.device, str(out), is_main=info.is_main, log=print
         )
         validator.cached = encode(
             plan, frozen, info.device, config.validation.prompts, config.validation.negatives()

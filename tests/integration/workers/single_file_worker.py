@@ -28,7 +28,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     info = init_distributed("cpu")
     plan = make_plan(config)
-    stage2 = build_stage2_models(config, plan, info, log=lambda line: None)
+    stage2 = build_stage2_models(plan, info, log=lambda line: None)
     model = stage2.models[stage2.trained[0]]
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
