@@ -66,9 +66,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def publish_plan(config: SplitstageConfig, plan: JobPlan) -> None:
+def publish_plan(plan: JobPlan) -> None:
     """The split plan (one row per unit: stage, reason, models) and the offload plan."""
-    split = plan.split
+    config, split = plan.config, plan.split
     _publish(
         create_table_artifact,
         table=plan_rows(split),

@@ -44,9 +44,10 @@ POLL_SECONDS = 2.0
 
 
 def run_local_shards(
-    config: SplitstageConfig, plan: JobPlan, data: DataIndex, num_shards: int, new: int
+    plan: JobPlan, data: DataIndex, num_shards: int, new: int
 ) -> list[ShardReport]:
     """One task per shard, run concurrently in this process; one progress artifact for all."""
+    config = plan.config
     progress = Progress(
         artifact_key(config, "preprocess-progress"),
         f"Preprocessing {new} new samples on {num_shards} local shard(s)",
@@ -136,25 +137,25 @@ def preprocess_flow(
     started = time.perf_counter()
     plan = plan_job(config)
     if is_top_level_run():
-        publish_plan(config, plan)
+        publish_plan(plan)
     data = index_data(config)
-    before = snapshot_cache(config, plan)
+    before = snapshot_cache(plan)
     new = len(set(data.keys) - before.keys)
     logger.info(
         f"{len(data.keys)} samples: {new} new, {len(data.keys) - new} cached in "
         f"{config.cache.url} ({plan.cache_key}); {num_shards} shard(s), {fan_out}"
     )
     reports = None  # without shard reports the figures come from the cache index
-    cached = check_cache(config, plan, data)  # None: samples to compute or damage to repair
+    cached = check_cache(plan, data)  # None: samples to compute or damage to repair
     workers = 0 if cached else num_shards
     if cached:
         reports = [cached]
     elif fan_out == "deployment":
         run_deployment_shards(config, num_shards, deployment)
     else:
-        reports = run_local_shards(config, plan, data, num_shards, new)
-    prompts = validation_prompts_task(config, plan)  # shard 0 did it, unless no shard ran
-    report = finish_preprocess(config, plan, data, reports, before, workers, started)
+        reports = run_local_shards(plan, data, num_shards, new)
+    prompts = validation_prompts_task(plan)  # shard 0 did it, unless no shard ran
+    report = finish_preprocess(plan, data, reports, before, workers, started)
     report.validation_prompts = prompts
     publish_cache_stats(config, report)
     for warning in report.skipped_lines():

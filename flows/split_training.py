@@ -120,7 +120,7 @@ def split_training(
     version = current_version() if versioned else None
     with timed(seconds, "plan"):
         plan = plan_job(config)
-        publish_plan(config, plan)
+        publish_plan(plan)
     with timed(seconds, "preprocess"):
         cache = preprocess_flow(config, shards=shards, fan_out=fan_out)
     with timed(seconds, "train"):

@@ -100,13 +100,13 @@ def index_data(config: SplitstageConfig) -> DataIndex:
 
 
 @_io_task("read-cache-index", timeout_seconds=600)
-def snapshot_cache(config: SplitstageConfig, plan: JobPlan) -> CacheSnapshot:
+def snapshot_cache(plan: JobPlan) -> CacheSnapshot:
     """Read the cache index once: what preprocessing will reuse, and the figures to diff later."""
     return snapshot(open_cache(plan))
 
 
 @_io_task("check-cache", timeout_seconds=1800)
-def check_cache(config: SplitstageConfig, plan: JobPlan, data: DataIndex) -> ShardReport | None:
+def check_cache(plan: JobPlan, data: DataIndex) -> ShardReport | None:
     """The run's report when nothing is to compute (every sample cached intact, shards modified
     after their index entry re-read, or recorded undecodable); None when shards must run."""
     return all_cached(plan, data, prompts=False)  # the flow encodes prompts itself
@@ -132,14 +132,13 @@ def preprocess_shard_task(
 
 
 @_io_task("encode-validation-prompts", timeout_seconds=1800)
-def validation_prompts_task(config: SplitstageConfig, plan: JobPlan) -> str | None:
+def validation_prompts_task(plan: JobPlan) -> str | None:
     """Encode the [validation] prompts beside the cache unless shard 0 already did."""
     return write_validation_prompts(plan)
 
 
 @_io_task("finish-preprocess", timeout_seconds=1800)
 def finish_preprocess(
-    config: SplitstageConfig,
     plan: JobPlan,
     data: DataIndex,
     reports: list[ShardReport] | None,

@@ -94,7 +94,7 @@ def train_flow(
             "from local weight files (LoRA and builder models cannot be loaded from an export yet)"
         )
     if is_top_level_run() and node_rank == 0:
-        publish_plan(config, plan_job(config))
+        publish_plan(plan_job(config))
     progress = Progress(artifact_key(config, "train-progress"), f"Training {run_id}")
     with cancel_event() as cancel:
         try:
