@@ -35,6 +35,7 @@ from splitstage.tasks.stage2.distributed import DistInfo  # noqa: E402
 from splitstage.tasks.stage2.launch import train  # noqa: E402
 from splitstage.tasks.stage2.models import build_stage2_models  # noqa: E402
 from splitstage.tasks.stage2.parallelize import find_blocks  # noqa: E402
+from splitstage.tasks.stage2.preflight import preflight  # noqa: E402
 from splitstage.tiny_diffusers import write_tiny_folder  # noqa: E402
 from tests.helpers.stage2_step import seed_adapters, trained_model  # noqa: E402
 from tests.helpers.video_files import write_video  # noqa: E402
@@ -175,6 +176,9 @@ def test_shorten_puts_short_clips_in_frame_buckets_cached_and_counted_apart(root
     assert frames == [5, 5, 9, 9, 1, 1]
     assert preprocess(config, workers=1, progress=False).computed == 6
     groups = open_cache(plan).stats().buckets
+    notes = preflight(plan).notes  # what validate and train say: info, not a buckets warning
+    assert "batches hold samples of one shape: 3 shapes" in notes
+    assert not any("bucket" in note for note in notes)
     assert sorted(groups.values()) == [2, 2, 2]
     latent_frames = sorted(label.split("latent_mean 4x")[1][0] for label in groups)
     assert latent_frames == ["1", "2", "3"], groups
