@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,34 +85,28 @@ def filmstrip(clips: torch.Tensor, count: int = 4) -> torch.Tensor:
     return torch.cat([clips[:, index] for index in picked], dim=-1)
 
 
-def clip_gif(clip: torch.Tensor, fps: float = 16.0) -> bytes:
-    """One clip [F, 3, H, W] in [-1, 1] as a looping animated GIF: the animation TensorBoard's
-    image dashboard and W&B's video panel play (256 colours; the WebP file is the lossless one)."""
+def _animation(clip: torch.Tensor, fps: float, image_format: str, **options: Any) -> bytes:
+    """One clip [F, 3, H, W] in [-1, 1] as a looping animated image file in `image_format`."""
     frames = to_pil(clip)
     buffer = io.BytesIO()
     frames[0].save(
         buffer,
-        format="GIF",
+        format=image_format,
         save_all=True,
         append_images=frames[1:],
         duration=max(1, round(1000 / fps)),
         loop=0,
+        **options,
     )
     return buffer.getvalue()
+
+
+def clip_gif(clip: torch.Tensor, fps: float = 16.0) -> bytes:
+    """A clip as an animated GIF: what TensorBoard's image dashboard and W&B's video panel play
+    (256 colours; the WebP file is the lossless one)."""
+    return _animation(clip, fps, "GIF")
 
 
 def clip_webp(clip: torch.Tensor, fps: float = 16.0) -> bytes:
-    """One clip [F, 3, H, W] in [-1, 1] as a looping lossless animated WebP (browsers and the
-    dashboard play it; no video codec needed)."""
-    frames = to_pil(clip)
-    buffer = io.BytesIO()
-    frames[0].save(
-        buffer,
-        format="WEBP",
-        save_all=True,
-        append_images=frames[1:],
-        duration=max(1, round(1000 / fps)),
-        loop=0,
-        lossless=True,
-    )
-    return buffer.getvalue()
+    """A clip as a lossless animated WebP (browsers and the dashboard play it; no video codec)."""
+    return _animation(clip, fps, "WEBP", lossless=True)
