@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.catalogue import check_one_line, cli, config_text
+from tests.helpers.signals import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,7 +176,12 @@ def test_ctrl_c_during_preprocess_with_workers_is_one_line(tmp_path, phase):
     command = [sys.executable, "-m", "splitstage.cli", "preprocess", str(path), "--workers", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
     )
     deadline = time.monotonic() + 120
     while len(psutil.Process(process.pid).children()) < 2:  # both workers started

@@ -24,6 +24,7 @@ from splitstage.tasks.stage2.preflight import StaleCacheError
 from splitstage.tasks.stage2.prepare import prepare
 from splitstage.tasks.stage2.prepare_child import PrepareError, raise_reply, user_error
 from splitstage.tasks.stage2.torchrun import TorchrunError
+from tests.helpers.signals import default_sigint
 from tests.helpers.tiny_job import make_workspace, tiny_config
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
@@ -176,6 +177,7 @@ def test_ctrl_c_or_a_killed_launcher_during_set_up_ends_the_child(workspace, sig
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,
     )
     child = set_up_child(launcher)
     os.kill(launcher.pid, sig)  # Ctrl-C reaches the launcher only: the child has its session
