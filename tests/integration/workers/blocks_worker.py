@@ -24,6 +24,7 @@ from splitstage.tasks.stage2.pretrained_weights import (
     WeightsFileNotFoundError,
     materialize_and_load,
 )
+from splitstage.tasks.stage2.process_exit import leave
 
 BATCH = 8
 LAYOUTS_BY_WORLD = {  # world size -> {mode: (dp_shard, tp)}
@@ -271,3 +272,4 @@ def check_training(results: Results, state, sft: str, world: int) -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # as a rank leaves: no interpreter teardown, where torch threads can abort

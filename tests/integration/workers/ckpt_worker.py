@@ -25,6 +25,7 @@ from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoin
 from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
 from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
+from splitstage.tasks.stage2.process_exit import leave
 
 
 def parse() -> argparse.Namespace:
@@ -171,3 +172,4 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # as a rank leaves: no interpreter teardown, where torch threads can abort

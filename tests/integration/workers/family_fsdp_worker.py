@@ -26,6 +26,7 @@ from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.distributed import init_distributed
 from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tasks.stage2.process_exit import leave
 from splitstage.tasks.stage2.validation import Validator
 
 STEPS = 3
@@ -80,3 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # as a rank leaves: no interpreter teardown, where torch threads can abort

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitstage.tasks.stage2.process_exit import leave
+
 
 def fail() -> None:
     """Rank 1 raises a ValueError; rank 0 waits to be stopped."""
@@ -67,3 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # as a rank leaves: no interpreter teardown, where torch threads can abort

@@ -19,6 +19,7 @@ from splitstage.config.job import config_from_dict
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.distributed import init_distributed
 from splitstage.tasks.stage2.models import build_stage2_models
+from splitstage.tasks.stage2.process_exit import leave
 
 
 def main() -> None:
@@ -40,3 +41,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # as a rank leaves: no interpreter teardown, where torch threads can abort
