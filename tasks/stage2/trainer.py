@@ -186,7 +186,7 @@ class Trainer:
             log=self.log,
             autocast=self.accelerator.autocast,
             on_grid=self.tracking.grid,
-            on_clips=self.tracking.clips,
+            on_clips=self.tracking.clips if self.tracking.active else None,  # no GIFs for none
         )
         params = self.stage2.parameters()
         if not params:

@@ -67,6 +67,11 @@ def grid_name(update: int, size: Size | None) -> str:
     )
 
 
+def tracker_tag(size: Size | None) -> str:
+    """The trackers' name of a size's samples: 'samples', or 'samples/768x512' per size."""
+    return GRID_TAG if size is None else f"{GRID_TAG}/{size_label(*size)}"
+
+
 def repeat_rows(values: dict[str, torch.Tensor], times: int) -> dict[str, torch.Tensor]:
     """Each prompt's row repeated `times` (images per prompt), prompt-major."""
     return {name: value.repeat_interleave(times, dim=0) for name, value in values.items()}
@@ -202,8 +207,7 @@ class Validator:
             urls.append(f"{self.output_url.rstrip('/')}/{SAMPLES_FOLDER}/{name}")
         self.log(f"sample clips update {update}: {len(urls)} animated WebP, {urls[0]} ...")
         if self.on_clips is not None:
-            tag = GRID_TAG if size is None else f"{GRID_TAG}/{size_label(*size)}"
-            self.on_clips(update, [clip_gif(clip, fps) for clip in clips], tag)
+            self.on_clips(update, [clip_gif(clip, fps) for clip in clips], tracker_tag(size))
         return urls
 
     def write_grid(self, update: int, size: Size | None, images: torch.Tensor) -> str:
@@ -215,6 +219,5 @@ class Validator:
         url = f"{self.output_url.rstrip('/')}/{SAMPLES_FOLDER}/{name}"
         self.log(f"samples update {update}: {url}")
         if self.on_grid is not None:
-            tag = GRID_TAG if size is None else f"{GRID_TAG}/{size_label(*size)}"
-            self.on_grid(update, png, tag)
+            self.on_grid(update, png, tracker_tag(size))
         return url
