@@ -94,13 +94,12 @@ def init_distributed(
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), local_device, backend)
     kwargs = {"timeout": timeout} if timeout is not None else {}
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
-    elif world_size == 1:
-        # No torchrun: a one-rank group on an in-memory store, so no port is needed.
+    if world_size == 1:  # one rank (with or without torchrun): an in-memory store, no port
         dist.init_process_group(
             backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs
         )
+    elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     else:
         raise RuntimeError(
             f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are unset: start the job "

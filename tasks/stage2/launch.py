@@ -27,10 +27,9 @@ from splitstage.tasks.stage2.outputs import (
     leased_places,
     options_for,
 )
-from splitstage.tasks.stage2.prepare_child import prepare_in_child
+from splitstage.tasks.stage2.prepare_child import WORKER_MODULE, prepare_in_child
 from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 
-WORKER_MODULE = "splitstage.tasks.stage2.worker"
 LEASE_TTL_S = float(os.environ.get("SPLITSTAGE_LEASE_TTL", "60"))  # a dead holder blocks this long
 
 
@@ -111,15 +110,16 @@ def write_spec(
 
 def torchrun_spec(
     config: SplitstageConfig,
-    spec_path: Path,
+    spec_path: Path | None,
     node_rank: int = 0,
     env: dict[str, str] | None = None,
 ) -> TorchrunSpec:
-    """torchrun settings from `train.*`: nodes, processes per node, c10d rendezvous, restarts."""
+    """torchrun settings from `train.*`: nodes, processes per node, c10d rendezvous, restarts
+    (no arguments for the worker while the run spec is not written yet)."""
     train = config.train
     return TorchrunSpec(
         module_or_script=WORKER_MODULE,
-        args=[str(spec_path.resolve())],
+        args=[] if spec_path is None else [str(spec_path.resolve())],
         nnodes=train.nnodes,
         nproc_per_node=train.nproc_per_node,
         node_rank=node_rank,
@@ -180,7 +180,13 @@ def train(
         staging = tempfile.TemporaryDirectory(prefix="splitstage-run-")
         held.callback(staging.cleanup)
         root = run_root or scratch_root(config)
-        prepared = prepare_in_child(config, run_id, root, Path(staging.name), cancel)
+        rank = torchrun_spec(config, None, node_rank, env)
+        one_process = None if rank.uses_agent else rank  # the set-up child becomes the rank
+        prepared = prepare_in_child(
+            config, run_id, root, Path(staging.name), cancel, rank=one_process, on_line=say
+        )
+        if prepared.rank is not None:
+            held.callback(prepared.rank.stop)  # stopped unless it trained (then a no-op)
         for warning in prepared.warnings:
             say(f"warning: {warning}")
         for note in prepared.notes:
@@ -208,6 +214,7 @@ def train(
                 on_line=say,
                 cancel=cancel,
                 check=True,
+                started=prepared.rank,
             )
         except TorchrunError:
             lost = next((lease.lost for lease in leases if lease.lost), None)

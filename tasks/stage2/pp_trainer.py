@@ -34,6 +34,7 @@ from splitstage.splitter import (
     layout_from_fqns,
     validate_stages,
 )
+from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, adapt_trained
 from splitstage.tasks.stage2.optimization import TrainedAverage
@@ -114,8 +115,8 @@ def check_pp_config(config: SplitstageConfig) -> list[list[str]]:
 class PipelineTrainer(Trainer):
     """The training loop of one pipeline stage: Trainer's loop, with PP model, step and export."""
 
-    def __init__(self, spec: dict[str, Any]):
-        super().__init__(spec)
+    def __init__(self, spec: dict[str, Any], plan: JobPlan | None = None):
+        super().__init__(spec, plan)
         train = self.config.train
         self.stage = PipelineStage(
             self.stage2.models[self.family.denoiser],

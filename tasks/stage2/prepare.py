@@ -4,6 +4,8 @@ family nor builds a model.
 
     python -m splitstage.tasks.stage2.prepare REQUEST.json REPLY.json
 
+(A one-process job's rank runs the same set-up first, then trains: `worker --set-up-first`.)
+
 REQUEST holds the job config (as the run spec holds it), the run id and the run root; REPLY gets
 what the launcher needs to hold the run's leases and write its spec (`prepare`), or the error that
 stopped it (`error_reply`): a `UserError` as its message and class names (the launcher raises it
@@ -21,7 +23,8 @@ from typing import Any
 
 from splitstage.config.job import SplitstageConfig, config_from_dict
 from splitstage.splitter import UserError
-from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.process_imports import skip_unused_libraries
 from splitstage.tasks.stage2.outputs import run_paths
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.process_exit import leave
@@ -30,11 +33,16 @@ SAMPLES_FILE = "samples.safetensors"  # staged here; the launcher moves it into 
 
 
 def prepare(
-    config: SplitstageConfig, run_id: str, run_root: str | Path, staging: Path
+    config: SplitstageConfig,
+    run_id: str,
+    run_root: str | Path,
+    staging: Path,
+    plan: JobPlan | None = None,
 ) -> dict[str, Any]:
-    """Plan, resolve the run's places and check everything before launch (each once); the keys
-    to train on, when they are not the cache's manifest, are written into `staging`."""
-    plan = make_plan(config)
+    """Plan (unless given the plan), resolve the run's places and check everything before
+    launch (each once); the keys to train on, when they are not the cache's manifest, are
+    written into `staging`."""
+    plan = plan if plan is not None else make_plan(config)
     paths = run_paths(config, run_id, run_root)
     checks = preflight(plan, paths)
     samples_file = None
@@ -71,22 +79,31 @@ def error_reply(error: BaseException) -> dict[str, Any]:
     return {"kind": "bug", "traceback": text}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Prepare the run REQUEST describes; write the reply (or the error) to REPLY."""
-    request_path, reply_path = sys.argv[1:] if argv is None else argv
+def set_up(request_path: str, reply_path: str) -> tuple[int, JobPlan | None]:
+    """Prepare the run REQUEST describes; write the reply (or the error) to REPLY; the exit
+    code and the plan (None when it failed)."""
     request = json.loads(Path(request_path).read_text())
-    code = 0
+    skip_unused_libraries(request.get("config") or {})  # this process serves this one job
+    code, plan = 0, None
     try:
         config = config_from_dict(request["config"])
         staging = Path(reply_path).parent
-        reply = {"prepared": prepare(config, request["run_id"], request["run_root"], staging)}
+        plan = make_plan(config)
+        run = (request["run_id"], request["run_root"], staging)
+        reply = {"prepared": prepare(config, *run, plan=plan)}
     except Exception as error:
         reply = {"error": error_reply(error)}
-        code = 1 if reply["error"]["kind"] == "bug" else 2
+        code, plan = 1 if reply["error"]["kind"] == "bug" else 2, None
     partial = Path(f"{reply_path}.partial")  # the launcher reads a whole reply or none
     partial.write_text(json.dumps(reply))
     partial.replace(reply_path)
-    return code
+    return code, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare the run REQUEST describes; write the reply (or the error) to REPLY."""
+    request_path, reply_path = sys.argv[1:] if argv is None else argv
+    return set_up(request_path, reply_path)[0]
 
 
 if __name__ == "__main__":

@@ -13,23 +13,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.torchrun import (
+    Started,
     TorchrunError,
     TorchrunResult,
+    TorchrunSpec,
     dies_with_this_process,
+    start,
 )
 
 PREPARE_MODULE = "splitstage.tasks.stage2.prepare"
+WORKER_MODULE = "splitstage.tasks.stage2.worker"
+SET_UP_FIRST = "--set-up-first"  # a one-process job's rank runs the set-up first (worker.py)
 
 
 class PrepareError(RuntimeError):
@@ -59,6 +66,7 @@ class Prepared:
     split: dict[str, Any] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     samples_file: str | None = None
+    rank: Started | None = field(default=None, repr=False)  # the child, become the rank-to-be
 
     @property
     def samples(self) -> StagedFile | None:
@@ -84,11 +92,19 @@ def prepare_in_child(
     run_root: str | Path,
     staging: Path,
     cancel: threading.Event | None = None,
+    *,
+    rank: TorchrunSpec | None = None,
+    on_line: Callable[[str], None] | None = None,
 ) -> Prepared:
-    """Plan and check the run in a child process (`prepare.main`); its files go to `staging`."""
+    """Plan and check the run in a child process (`prepare.main`); its files go to `staging`.
+    With `rank` (a one-process job) the child is the job's rank, which runs the set-up first
+    (`Prepared.rank`: its output already pumped to `on_line`, see `worker --set-up-first`)."""
     request, reply = staging / "request.json", staging / "reply.json"
     document = {"config": config.model_dump(mode="json"), "run_id": run_id}
     request.write_text(json.dumps({**document, "run_root": str(run_root)}))
+    if rank is not None:  # the rank itself runs the set-up first
+        command = [sys.executable, "-m", WORKER_MODULE, SET_UP_FIRST, str(request), str(reply)]
+        return prepare_then_train(rank, command, reply, cancel, on_line)
     command = [sys.executable, "-m", PREPARE_MODULE, str(request), str(reply)]
     proc = subprocess.Popen(
         dies_with_this_process(command),
@@ -100,6 +116,45 @@ def prepare_in_child(
         code = wait(proc, cancel, command)
     finally:
         stop(proc)
+    return read_reply(reply, code)
+
+
+def prepare_then_train(
+    rank: TorchrunSpec,
+    command: list[str],
+    reply: Path,
+    cancel: threading.Event | None,
+    on_line: Callable[[str], None] | None,
+) -> Prepared:
+    """Start the child that becomes the one rank; wait for its reply, passing its lines on."""
+    child = start(rank, command=command, env=child_env())
+    try:
+        while not reply.is_file() and child.proc.poll() is None:
+            with contextlib.suppress(queue.Empty):
+                line = child.lines.get(timeout=0.1)
+                if line is not None and on_line is not None:
+                    on_line(line)
+            if cancel is not None and cancel.is_set():
+                raise TorchrunError(TorchrunResult(command, None, [], None, cancelled=True))
+        answer = json.loads(reply.read_text()) if reply.is_file() else {}
+        if "prepared" not in answer:  # it failed: it exits with its code, its last lines said
+            code = child.proc.wait()
+            for reader in child.readers:
+                reader.join(timeout=2)
+            while on_line is not None and not child.lines.empty():
+                if (line := child.lines.get()) is not None:
+                    on_line(line)
+            return read_reply(reply, code)
+    except BaseException:
+        child.stop()
+        raise
+    prepared = Prepared(**answer["prepared"])
+    prepared.rank = child
+    return prepared
+
+
+def read_reply(reply: Path, code: int) -> Prepared:
+    """The child's reply as `Prepared`, or its error raised again here."""
     answer = json.loads(reply.read_text()) if reply.is_file() else {}
     if "prepared" in answer and code == 0:
         return Prepared(**answer["prepared"])

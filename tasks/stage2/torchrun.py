@@ -1,5 +1,9 @@
 """Run `torchrun` (c10d rendezvous, one or many nodes) as a subprocess we can watch and stop.
 
+A job of one process (one node, one process, no restarts) runs without torchrun's agent, as
+accelerate's launcher runs one process: the rank is started directly on a one-rank group (no
+rendezvous to host, nothing to restart), which saves the agent's Python and its torch import
+(~220 MB resident) for the whole run; its lines, logs and failure report look as torchrun's do.
 Output streams line by line (`--tee 3`: each worker line is prefixed `[default<local_rank>]:`).
 On failure the result names the first failing rank and its error (torchrun's `error.json` when the
 worker used `@record`, else the tail of that rank's stderr log). torchrun's own report of a failed
@@ -38,7 +42,19 @@ _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ENDPOINT = re.compile(r"^\[?[\w.:-]+\]?:\d+$")
 _RANK_LINE = re.compile(r"^\[\w*?\d+\]:")  # --tee prefix of a worker's line: [default0]:
+ONE_RANK_PREFIX = "[default0]:"  # the same prefix on the lines of a job run without the agent
+ONE_RANK_LOGS = ("local", "attempt_0", "0")  # torchrun's per-rank log layout, under the log dir
+ONE_RANK_ENV = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_WORLD_SIZE": "1",
+    "GROUP_RANK": "0",
+    "ROLE_RANK": "0",
+    "ROLE_WORLD_SIZE": "1",
+}
 _ELASTIC_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
+AGENT_MODULE = "splitstage.tasks.stage2.agent"  # torchrun that always exits
 AGENT_LOG = "torchrun.log"  # in the log dir: every line of the run, torchrun's own report too
 
 
@@ -85,6 +101,17 @@ class TorchrunSpec:
             raise ValueError("module_or_script is empty: name a module or a .py script")
 
     @property
+    def uses_agent(self) -> bool:
+        """torchrun's agent earns its keep with a rendezvous to host or restarts to run; one
+        process on one node with neither is started directly (see the module docstring)."""
+        return (
+            self.nnodes > 1
+            or self.nproc_per_node > 1
+            or self.max_restarts > 0
+            or self.rdzv_endpoint is not None
+        )
+
+    @property
     def is_script(self) -> bool:
         """A path to a .py file (run as a script) rather than a module name (run with -m)."""
         target = self.module_or_script
@@ -94,7 +121,9 @@ class TorchrunSpec:
 def build_command(spec: TorchrunSpec, *, log_dir: str | None = None) -> list[str]:
     """The torchrun command line for `spec` (`spec.python -m` our agent: torchrun that exits)."""
     spec.validate()
-    cmd = [spec.python, "-m", "splitstage.tasks.stage2.agent"]
+    if not spec.uses_agent:
+        return one_rank_command(spec)
+    cmd = [spec.python, "-m", AGENT_MODULE]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         cmd.append("--standalone")  # c10d on localhost, port picked by the OS: no port race
     else:
@@ -115,6 +144,12 @@ def build_command(spec: TorchrunSpec, *, log_dir: str | None = None) -> list[str
     else:
         cmd += ["-m", spec.module_or_script]
     return cmd + [str(a) for a in spec.args]
+
+
+def one_rank_command(spec: TorchrunSpec) -> list[str]:
+    """The rank's own command line, for a job run without torchrun's agent."""
+    target = [spec.module_or_script] if spec.is_script else ["-m", spec.module_or_script]
+    return [spec.python, *target, *[str(a) for a in spec.args]]
 
 
 @dataclass
@@ -159,7 +194,8 @@ class TorchrunError(RuntimeError):
             where = f": rank {result.failed_rank} (local rank {result.failed_local_rank})"
         detail = f"\n{result.error}" if result.error else ""
         logs = f"\nper-rank logs: {result.log_dir}" if result.log_dir else ""
-        super().__init__(f"torchrun {what}{where}{detail}{logs}")
+        who = "torchrun" if AGENT_MODULE in result.command else "the training process"
+        super().__init__(f"{who} {what}{where}{detail}{logs}")
 
 
 _DIE_WITH_PARENT = (  # prctl(PR_SET_PDEATHSIG, SIGTERM) survives the exec
@@ -270,6 +306,91 @@ class AgentReport:
             self.on_line(line)
 
 
+@dataclass
+class Started:
+    """A started process whose output is being pumped into `lines`: torchrun's agent, or the
+    rank of a one-process job (then `rank_dir` holds its logs)."""
+
+    command: list[str]
+    proc: subprocess.Popen
+    lines: queue.Queue
+    readers: list[threading.Thread]
+    log_dir: str
+    own_logs: bool
+    rank_dir: str | None
+    known: dict[int, float]
+
+    told: bool = False  # whether `go` ran: until then it has run nothing of the job's
+
+    def go(self, args: Sequence[str]) -> None:
+        """Tell a process that waits on its stdin (`worker --set-up-first`) what to run."""
+        self.told = True
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):  # gone already: its exit status says why
+                self.proc.stdin.write(json.dumps([str(a) for a in args]) + "\n")
+                self.proc.stdin.close()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """End it unused (a waiting process gets EOF first), with anything it started."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=0.5)
+        kill_tree(self.proc.pid, self.known, grace)
+        self.proc.wait()
+        if self.own_logs and not self.told:  # logs of a job that never ran: nothing to keep
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def start(
+    spec: TorchrunSpec,
+    *,
+    log_dir: str | None = None,
+    command: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Started:
+    """Start `spec` with its output pumped: torchrun's agent, or a one-process job's rank
+    directly; `command` (with stdin open, see `Started.go`) replaces the rank's own command
+    line, for a process that becomes the rank later (`worker --set-up-first`)."""
+    own_logs = log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="splitstage-torchrun-") if own_logs else log_dir
+    os.makedirs(log_dir, exist_ok=True)
+    base = os.environ if env is None else env
+    env = {**base, **{k: str(v) for k, v in spec.env.items()}, "PYTHONUNBUFFERED": "1"}
+    rank_dir = None if spec.uses_agent else os.path.join(log_dir, *ONE_RANK_LOGS)
+    if rank_dir is not None:
+        env = one_rank_env(env, rank_dir)
+    elif command is not None:
+        raise ValueError("only a one-process job's rank can be started from another command")
+    waits = command is not None  # told what to run on its stdin, later
+    command = list(command) if waits else build_command(spec, log_dir=log_dir)
+    proc = subprocess.Popen(
+        dies_with_this_process(command),
+        stdin=subprocess.PIPE if waits else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if rank_dir is None else subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    if rank_dir is None:  # torchrun's --tee prefixes the lines and writes the rank logs
+        pumps = [(proc.stdout, "", None)]
+    else:
+        pumps = [
+            (proc.stdout, ONE_RANK_PREFIX, os.path.join(rank_dir, "stdout.log")),
+            (proc.stderr, ONE_RANK_PREFIX, os.path.join(rank_dir, "stderr.log")),
+        ]
+    readers = [threading.Thread(target=_pump, args=(*p, lines), daemon=True) for p in pumps]
+    for reader in readers:
+        reader.start()
+    known = {proc.pid: process_started(proc.pid)}
+    return Started(command, proc, lines, readers, log_dir, own_logs, rank_dir, known)
+
+
 def run_torchrun(
     spec: TorchrunSpec,
     *,
@@ -280,40 +401,34 @@ def run_torchrun(
     check: bool = False,
     grace: float = 5.0,
     tail_lines: int = 200,
+    started: Started | None = None,
 ) -> TorchrunResult:
     """Run one torchrun agent to the end, streaming its combined output to `on_line`.
 
     `on_line` runs in the calling thread; an exception from it cancels the run and propagates.
     `timeout`/`cancel` end the process tree and mark the result. `check=True` raises
     TorchrunError when the run did not succeed. Per-rank logs go to `log_dir` (a temporary
-    directory, deleted after a success, when not given).
+    directory, deleted after a success, when not given). `started`: a one-process job's rank
+    already running and waiting to be told `spec.args` (`start`, `Started.go`).
     """
-    own_logs = log_dir is None
-    log_dir = tempfile.mkdtemp(prefix="splitstage-torchrun-") if own_logs else log_dir
-    os.makedirs(log_dir, exist_ok=True)
-    command = build_command(spec, log_dir=log_dir)
-    env = {**os.environ, **{k: str(v) for k, v in spec.env.items()}, "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        dies_with_this_process(command),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-        bufsize=1,
+    clock = time.monotonic()
+    if started is None:
+        started = start(spec, log_dir=log_dir)
+    else:
+        started.go(spec.args)
+    proc, lines, readers, known = started.proc, started.lines, started.readers, started.known
+    log_dir, own_logs, rank_dir, command = (
+        started.log_dir,
+        started.own_logs,
+        started.rank_dir,
+        started.command,
     )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-    reader.start()
     tail: deque[str] = deque(maxlen=tail_lines)
-    known: dict[int, float] = {proc.pid: process_started(proc.pid)}
     timed_out = cancelled = False
     report = AgentReport(os.path.join(log_dir, AGENT_LOG), on_line)
     try:
-        timed_out, cancelled = _watch(proc, lines, tail, known, report, cancel, timeout)
+        streams = len(readers)
+        timed_out, cancelled = _watch(proc, lines, streams, tail, known, report, cancel, timeout)
         if timed_out or cancelled:
             kill_tree(proc.pid, known, grace)
     except BaseException:
@@ -324,7 +439,8 @@ def run_torchrun(
     report.close()
     returncode = proc.wait()
     kill_tree(None, known, grace=1.0)  # workers torchrun failed to stop
-    reader.join(timeout=2)
+    for reader in readers:
+        reader.join(timeout=2)
     result = TorchrunResult(
         command=command,
         returncode=returncode,
@@ -332,10 +448,13 @@ def run_torchrun(
         log_dir=log_dir,
         timed_out=timed_out,
         cancelled=cancelled,
-        seconds=time.monotonic() - started,
+        seconds=time.monotonic() - clock,
     )
     if not result.ok and not (timed_out or cancelled):
-        rank, local_rank, exitcode = _root_cause(result.output_tail)
+        if rank_dir is None:
+            rank, local_rank, exitcode = _root_cause(result.output_tail)
+        else:  # no agent: the one rank's own exit status
+            rank, local_rank, exitcode = 0, 0, returncode
         result.failed_rank, result.failed_local_rank = rank, local_rank
         if local_rank is not None:
             result.error = _rank_error(log_dir, local_rank, exitcode)
@@ -349,17 +468,40 @@ def run_torchrun(
     return result
 
 
-def _pump(stream, lines: queue.Queue) -> None:
-    """Reader thread: move output lines into the queue; None marks the end of the stream."""
+def one_rank_env(env: Mapping[str, str], rank_dir: str) -> dict[str, str]:
+    """The environment of a rank run without the agent: rank 0 of 1, an env:// address for a
+    script that opens its own group (`init_distributed` needs none for one rank), and
+    `@record`'s error file where torchrun would put it."""
+    os.makedirs(rank_dir, exist_ok=True)
+    own = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
+    return {
+        **own,
+        **ONE_RANK_ENV,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "TORCHELASTIC_ERROR_FILE": os.path.join(rank_dir, "error.json"),
+    }
+
+
+def _pump(stream, prefix: str, copy_to: str | None, lines: queue.Queue) -> None:
+    """Reader thread: move output lines (prefixed) into the queue, and into `copy_to` when
+    given; None marks the end of the stream."""
+    copy = open(copy_to, "a", encoding="utf-8") if copy_to else None  # noqa: SIM115
     try:
         for line in stream:
-            lines.put(line.rstrip("\n"))
+            if copy is not None:
+                copy.write(line)
+                copy.flush()
+            lines.put(prefix + line.rstrip("\n"))
     finally:
+        if copy is not None:
+            copy.close()
         lines.put(None)
 
 
-def _watch(proc, lines, tail, known, on_line, cancel, timeout) -> tuple[bool, bool]:
-    """Deliver lines until torchrun ends; return (timed_out, cancelled) when stopped early."""
+def _watch(proc, lines, streams, tail, known, on_line, cancel, timeout) -> tuple[bool, bool]:
+    """Deliver lines until torchrun ends (all `streams` closed); return (timed_out, cancelled)
+    when stopped early."""
     deadline = None if timeout is None else time.monotonic() + timeout
     next_snapshot = 0.0
     eof, exited_at = False, None
@@ -373,7 +515,8 @@ def _watch(proc, lines, tail, known, on_line, cancel, timeout) -> tuple[bool, bo
                 pass
             else:
                 if line is None:
-                    eof = True
+                    streams -= 1
+                    eof = streams == 0
                 else:
                     tail.append(line)
                     if on_line is not None:

@@ -142,12 +142,13 @@ class LoopState:
 class Trainer:
     """The training loop of one rank; `run()` trains to the end and returns the figures."""
 
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: dict[str, Any], plan: JobPlan | None = None):
         self.baseline_rss_mb = current_rss_mb()  # after imports, before any model is built
         self.spec = spec
         self.config = SplitstageConfig.model_validate(spec["config"])
         self.dist: DistInfo = init_distributed()
-        self.plan: JobPlan = make_plan(self.config)
+        # the set-up's own plan when this process ran it (a one-process job), else planned here
+        self.plan: JobPlan = plan if plan is not None else make_plan(self.config)
         check_same_split(self.plan, spec.get("split"))
         train = self.config.train
         dtype = pick_dtype(train.mixed_precision, self.dist.device)

@@ -1,6 +1,13 @@
 """Stage 2 entry point under torchrun: read the run spec, pick the trainer, train, leave the group.
 
     torchrun --nproc-per-node N -m splitstage.tasks.stage2.worker RUN_DIR/spec.json
+    python -m splitstage.tasks.stage2.worker --set-up-first REQUEST.json REPLY.json
+
+The second form is a one-process job's rank (no torchrun agent, see `torchrun.py`): it runs the
+launcher's set-up first (`prepare.set_up`: plan, checks, reply), then reads one line from stdin,
+the rank's arguments as a JSON list, and trains with the plan it already built (imports, plan
+and checks once, not in a set-up child and again in the rank); an empty stdin (the launcher
+stopped before launch) ends it.
 
 A rank that stops on bad input (a `UserError`: a diverged loss, a cache it cannot read) writes
 its one-line reason to RUN_DIR/error.json and exits with 2; the launcher reports that line.
@@ -14,13 +21,13 @@ import os
 import sys
 from pathlib import Path
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from splitstage.splitter import UserError
-from splitstage.tasks.stage2.distributed import close_distributed
+from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.process_imports import skip_unused_libraries
 from splitstage.tasks.stage2.outputs import ERROR_FILE, deleted_place
+from splitstage.tasks.stage2.prepare import set_up
+from splitstage.tasks.stage2.prepare_child import SET_UP_FIRST
 from splitstage.tasks.stage2.process_exit import leave
-from splitstage.tasks.stage2.trainer import Trainer
 
 
 def report_error(run_dir: Path, error: UserError) -> None:
@@ -37,15 +44,35 @@ def report_error(run_dir: Path, error: UserError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train one rank to the end of the run the spec file describes."""
+    """Train one rank to the end of the run the spec file describes; with --set-up-first, run
+    the launcher's set-up, then train once told to (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
     faulthandler.enable(all_threads=True)  # a rank killed by a signal shows where it was
-    spec = json.loads(Path(argv[0]).read_text())
+    if argv[:1] != [SET_UP_FIRST]:
+        return train(argv[0])
+    code, plan = set_up(*argv[1:])
+    if code:
+        return code
+    told = sys.stdin.readline()
+    if not told.strip():  # the launcher stopped before launch: nothing to do
+        return 0
+    return train(json.loads(told)[0], plan)
+
+
+def train(spec_path: str, plan: JobPlan | None = None) -> int:
+    """Train this rank (with the set-up's `plan` when this process ran it); 2 on bad input."""
+    spec = json.loads(Path(spec_path).read_text())
+    skip_unused_libraries(spec["config"])
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from splitstage.tasks.stage2.distributed import close_distributed
+    from splitstage.tasks.stage2.trainer import Trainer
+
     trainer_cls = Trainer
     if spec["config"]["train"]["parallelism"] == "pp":  # torch's pipelining: ~1 s of imports
         from splitstage.tasks.stage2.pp_trainer import PipelineTrainer as trainer_cls
     try:
-        trainer_cls(spec).run()
+        trainer_cls(spec, plan).run()
         close_distributed(barrier=True)
     except UserError as error:
         report_error(Path(spec["run_dir"]), error)

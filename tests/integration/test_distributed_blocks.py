@@ -29,6 +29,7 @@ from splitstage.tasks.stage2.distributed import build_mesh
 from splitstage.tasks.stage2.liveness import is_alive
 from splitstage.tasks.stage2.parallelize import parallelize, resolve_tp_plan
 from splitstage.tasks.stage2.torchrun import (
+    TorchrunError,
     TorchrunSpec,
     build_command,
     free_port,
@@ -373,6 +374,46 @@ def test_failing_rank_error_is_returned(mode):
     assert result.failed_rank == 1 and result.failed_local_rank == 1
     assert "ValueError: boom-rank1" in result.error
     assert any(line.startswith("[default0]:rank 0 starting") for line in result.output_tail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["raise", "raise-record"])
+def test_a_one_process_job_runs_without_the_agent_and_fails_as_under_torchrun(mode):
+    """One process on one node: the rank is started directly (no torchrun agent in the tree);
+    its lines, its per-rank logs and the failure report read as torchrun's would."""
+    spec = TorchrunSpec(str(WORKERS / "launch_worker.py"), [mode], nproc_per_node=1, env=ENV)
+    assert not spec.uses_agent
+    assert TorchrunSpec("w.py", nproc_per_node=1, max_restarts=1).uses_agent
+    result = run_torchrun(spec, timeout=60)
+    assert "splitstage.tasks.stage2.agent" not in " ".join(result.command)
+    assert not result.ok and result.returncode == 1
+    assert result.failed_rank == 0 and result.failed_local_rank == 0
+    assert "ValueError: boom-rank0" in result.error
+    assert "[default0]:rank 0 of 1 starting" in result.output_tail
+    assert str(result.log_dir) in str(TorchrunError(result))
+    assert str(TorchrunError(result)).startswith("the training process failed (exit 1): rank 0")
+    rank_logs = Path(result.log_dir, "local", "attempt_0", "0")
+    assert "rank 0 of 1 starting" in (rank_logs / "stdout.log").read_text()
+    assert "boom-rank0" in (rank_logs / "stderr.log").read_text()
+    assert (rank_logs / "error.json").is_file() == (mode == "raise-record")
+
+
+@pytest.mark.slow
+def test_a_one_process_job_joins_a_gloo_group_and_timeout_stops_it():
+    """A script that opens its own env:// group runs as under torchrun; a timeout leaves no
+    process of the one-rank job alive."""
+    done = run_torchrun(
+        TorchrunSpec(str(WORKERS / "launch_worker.py"), ["allreduce"], env=ENV), timeout=60
+    )
+    assert done.ok and "[default0]:WORLD 1 RANK 0 SUM 0" in done.output_tail, done.output_tail
+    pids: list[int] = []
+    spec = TorchrunSpec(str(WORKERS / "launch_worker.py"), ["sleep"], env=ENV)
+    result = run_torchrun(spec, timeout=6, on_line=lambda s: _pids_from(s, pids))
+    assert result.timed_out and len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if is_alive(p)], "processes left alive"
 
 
 def _pids_from(line: str, pids: list[int]) -> None:

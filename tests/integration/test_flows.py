@@ -262,11 +262,8 @@ def test_cancelling_training_ends_the_torchrun_process_tree(prefect_harness, tin
     from splitstage.flows.train_flow import train_flow
     from splitstage.tasks.stage1.preprocess import preprocess
 
-    config = SplitstageConfig.model_validate(
-        tiny_job(
-            "digits-cancel", samples=8, train={"max_steps": 100_000, "checkpoint_every": 10**6}
-        )
-    )
+    train = {"max_steps": 100_000, "checkpoint_every": 10**6, "nproc_per_node": 2}  # an agent
+    config = SplitstageConfig.model_validate(tiny_job("digits-cancel", samples=8, train=train))
     preprocess(config, progress=False)
     outcome: dict = {}
     runner = threading.Thread(

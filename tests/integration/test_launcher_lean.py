@@ -125,15 +125,19 @@ def test_a_bug_in_the_child_comes_back_with_its_traceback(tmp_path):
         raise_reply(answer, done.returncode)
 
 
-def test_cancelling_during_set_up_ends_the_child(workspace):
+@pytest.mark.parametrize(
+    ("nproc", "set_up"),  # a one-process job's rank runs the set-up itself, first
+    [(1, "stage2.worker --set-up-first"), (2, "stage2.prepare")],
+)
+def test_cancelling_during_set_up_ends_the_child(workspace, nproc, set_up):
     cancel = threading.Event()
     cancel.set()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    config = tiny_config(workspace, "cancelled", 0)
+    config = tiny_config(workspace, "cancelled", 0, nproc_per_node=nproc)
     with pytest.raises(TorchrunError) as stopped:
         train(config, run_root=workspace / "runs", env=ENV, cancel=cancel, on_line=print)
     assert stopped.value.result.cancelled
-    assert "stage2.prepare" in " ".join(stopped.value.result.command)
+    assert set_up in " ".join(stopped.value.result.command)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     assert not (workspace / "runs/cancelled/spec.json").exists()
@@ -145,7 +149,8 @@ def set_up_child(launcher: subprocess.Popen) -> psutil.Process:
     while time.monotonic() < deadline:
         for proc in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                if "splitstage.tasks.stage2.prepare" in " ".join(proc.cmdline()):
+                line = " ".join(proc.cmdline())
+                if "stage2.prepare" in line or "stage2.worker --set-up-first" in line:
                     return proc
             except psutil.Error:
                 continue

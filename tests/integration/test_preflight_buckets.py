@@ -92,15 +92,19 @@ def test_validate_refuses_buckets_too_small_for_the_accumulation(cached, tmp_pat
 
 def test_train_refuses_it_before_launching_torchrun(cached, tmp_path, capsys, monkeypatch):
     popen = subprocess.Popen.__init__  # the set-up child (plan, preflight) may start, not torchrun
+    started: list[str] = []
 
     def no_launch(self, args, *rest, **kwargs):
-        if any("stage2.agent" in str(arg) for arg in args):
-            raise AssertionError("torchrun was launched before the batches were checked")
+        line = " ".join(map(str, args))
+        if "stage2.agent" in line or ("stage2.worker" in line and "--set-up-first" not in line):
+            raise AssertionError("training was launched before the batches were checked")
+        started.append(line)
         popen(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", no_launch)
     check_one_line(*cli(["train", job(cached, tmp_path, accumulate=5)], capsys), *NEEDLES)
     assert not list(tmp_path.rglob("spec.json"))  # no run spec was even written
+    assert [line for line in started if "--set-up-first" in line]  # the set-up refused it
 
 
 def test_validate_reports_the_tail_cost_of_a_job_that_fits(cached, tmp_path, capsys):

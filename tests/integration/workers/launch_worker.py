@@ -1,8 +1,9 @@
 """Small torchrun workers for the launcher tests.
 
 Run: torchrun --nproc-per-node=2 tests/integration/workers/launch_worker.py MODE
-MODE: fail (rank 1 raises), fail-record (same under torchelastic's @record), sleep (print pids,
-spawn a grandchild, sleep forever), allreduce (gloo all_reduce of ranks, print the sum).
+MODE: fail (rank 1 raises), fail-record (same under torchelastic's @record), raise (every rank
+raises at once; raise-record under @record), sleep (print pids, spawn a grandchild, sleep
+forever), allreduce (gloo all_reduce of ranks, print the sum).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def fail() -> None:
     time.sleep(30)  # torchrun stops this rank once rank 1 failed
 
 
+def raise_now() -> None:
+    """Say which rank of how many this is, then raise a ValueError naming the rank."""
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    print(f"rank {rank} of {world} starting", flush=True)
+    raise ValueError(f"boom-rank{rank}: bad value in the worker")
+
+
 def sleep() -> None:
     """Print this worker's and a grandchild's pid, then hang."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -59,12 +67,13 @@ def allreduce() -> None:
 def main() -> None:
     """Dispatch on MODE."""
     mode = sys.argv[1]
-    if mode == "fail-record":
+    modes = {"fail": fail, "raise": raise_now, "sleep": sleep, "allreduce": allreduce}
+    if mode.endswith("-record"):
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        record(fail)()
+        record(modes[mode.removesuffix("-record")])()
         return
-    {"fail": fail, "sleep": sleep, "allreduce": allreduce}[mode]()
+    modes[mode]()
 
 
 if __name__ == "__main__":
