@@ -141,6 +141,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from splitstage.tasks.stage1.preprocess import preprocess
 
     config = load_config(args.config)
+    skip_what_the_job_cannot_use(args, config)
     report = preprocess(
         config,
         workers=args.workers,
@@ -262,6 +263,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from splitstage.tasks.stage2.preflight import preflight
 
     config = load_config(args.config)
+    skip_what_the_job_cannot_use(args, config)
     plan = make_plan(config)
     checks = preflight(plan)
     print(plan_table(plan.split))
@@ -373,10 +375,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `splitstage` console script."""
+def skip_what_the_job_cannot_use(args: argparse.Namespace, config) -> None:
+    """In the console script's process (one job, then exit), mark the libraries this job cannot
+    use absent (`tasks/process_imports.py`); never in a process that calls `main` again."""
+    if getattr(args, "one_job", False):
+        from splitstage.tasks.process_imports import skip_unused_libraries
+
+        skip_unused_libraries(config.model_dump(mode="json", include={"train": {"optimizer"}}))
+
+
+def main(argv: Sequence[str] | None = None, *, one_job: bool = False) -> int:
+    """Entry point of the `splitstage` console script (`one_job`: this process runs this one
+    command and exits)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.one_job = one_job
     try:
         return args.run(args)
     except USER_ERRORS as error:
@@ -396,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console() -> None:
     """The `splitstage` console script: main(), the exit handlers, then leave without the
     interpreter's finalization (`run_then_leave`: no exit-134 abort from a torch thread)."""
-    run_then_leave(lambda: main())
+    run_then_leave(lambda: main(one_job=True))
 
 
 if __name__ == "__main__":

@@ -89,9 +89,9 @@ CONSOLE = (
     "        print('finalized', flush=True)\n"
     "kept = Finalized()\n"
     "real_main = cli.main\n"
-    "def main(argv=None):\n"  # a handler registered while a command runs (a Prefect server's)
+    "def main(argv=None, **options):\n"  # a handler registered while a command runs (Prefect's)
     "    atexit.register(print, 'exit handler ran')\n"
-    "    return real_main(argv)\n"
+    "    return real_main(argv, **options)\n"
     "cli.main = main\n"
     "sys.argv = ['splitstage', *sys.argv[1:]]\n"
     "cli.console()\n"
@@ -113,3 +113,48 @@ def test_the_console_script_runs_exit_handlers_then_skips_finalization():
         assert done.returncode == code, (args, done.stderr)
         assert done.stdout.rstrip().endswith("exit handler ran"), (args, done.stdout)
         assert "finalized" not in done.stdout, args
+
+
+LORA_AFTER = (
+    "import sys\n"
+    "from splitstage.tasks.process_imports import skip_unused_libraries\n"
+    "skip_unused_libraries({'train': {'optimizer': %r}})\n"
+    "import torch\n"
+    "from peft import LoraConfig, inject_adapter_in_model\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+    "inject_adapter_in_model(LoraConfig(r=2, target_modules=['0']), model)\n"
+    "print(sys.modules.get('bitsandbytes') is not None, end='')\n"
+)
+
+
+def test_a_rank_loads_bitsandbytes_only_for_adamw8bit():
+    """peft imports bitsandbytes whenever it is installed; a process of one job (a rank, the
+    set-up child, the console script) marks it absent unless the job's optimizer is adamw8bit,
+    and peft's LoRA injection then runs without it."""
+    for optimizer, loaded in (("adamw", "False"), ("adamw8bit", "True")):
+        done = run(LORA_AFTER % optimizer)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == loaded, (optimizer, done.stdout)
+
+
+MARKS = (
+    "import argparse, sys\n"
+    "from splitstage.cli import skip_what_the_job_cannot_use\n"
+    "from splitstage.config.job import config_from_dict\n"
+    "config = config_from_dict({'train': {'optimizer': %r}})\n"
+    "skip_what_the_job_cannot_use(argparse.Namespace(one_job=%r), config)\n"
+    "print(sys.modules.get('bitsandbytes', 'unset'), end='')\n"
+)
+
+
+def test_only_the_console_scripts_one_job_process_skips_bitsandbytes():
+    """`splitstage preprocess|validate` (one job, then exit) skip it unless the job uses
+    adamw8bit; `main` called in a longer-lived process (a flow, a test) never does."""
+    for optimizer, one_job, shown in (
+        ("adamw", True, "None"),
+        ("adamw8bit", True, "unset"),
+        ("adamw", False, "unset"),
+    ):
+        done = run(MARKS % (optimizer, one_job))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == shown, (optimizer, one_job, done.stdout)
