@@ -36,7 +36,10 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_PYTHON = ROOT / ".venv/diffsynth/bin/python"
-MAIN = "import sys; from splitstage.cli import main; sys.exit(main(sys.argv[1:]))"
+MAIN = (  # the `splitstage` console script, as installed (`main` alone in trees without it)
+    "import sys; import splitstage.cli as cli; console = getattr(cli, 'console', None); "
+    "sys.exit(console() if console else cli.main(sys.argv[1:]))"
+)
 ENV = {
     "SPLITSTAGE_DEVICE": "cpu",
     "OMP_NUM_THREADS": "1",

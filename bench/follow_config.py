@@ -50,7 +50,12 @@ ENTRIES = {  # row: candidate (module, qualname, carrier params) lists, the firs
             ("splitstage.tasks.stage2.prepare", "prepare", {"config"}),
         ]
     ],
-    "rank: worker.main (spec)": [[("splitstage.tasks.stage2.worker", "main", {"spec"})]],
+    "rank: Trainer(spec).run()": [  # the same in trees where the worker reads the spec itself
+        [
+            ("splitstage.tasks.stage2.trainer", "Trainer.__init__", {"spec"}),
+            ("splitstage.tasks.stage2.trainer", "Trainer.run", set()),
+        ]
+    ],
 }
 
 
