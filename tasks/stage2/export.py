@@ -17,7 +17,7 @@ from splitstage.storage.safetensors_io import read_header
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
 from splitstage.tasks.stage2.outputs import output_storage_options
-from splitstage.tasks.stage2.resume_identity import IDENTITY, export_metadata
+from splitstage.tasks.stage2.resume import IDENTITY, export_metadata
 
 
 def request_for(

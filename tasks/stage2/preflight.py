@@ -34,8 +34,13 @@ from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.optimization import check_update_rule
 from splitstage.tasks.stage2.outputs import options_for
 from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
-from splitstage.tasks.stage2.resume import compare, run_settings
-from splitstage.tasks.stage2.resume_identity import IDENTITY, check_resume_identity, run_identity
+from splitstage.tasks.stage2.resume import (
+    IDENTITY,
+    check_resume_identity,
+    compare,
+    run_identity,
+    run_settings,
+)
 from splitstage.tasks.stage2.tracking import tracker_names
 from splitstage.tasks.stage2.validation import check_validation_sizes
 

@@ -8,14 +8,26 @@ the resume point on; each change is said. What fixes the sample stream itself (s
 set, the mode) or the trained tensors (which model, LoRA rank, alpha, targets) cannot continue:
 refused, naming what changed and how to start fresh. Run length (epochs, max_steps) and
 logging/checkpoint cadence may change freely.
+
+What a run trains on (family, pipeline, base weights: its identity) is recorded with the settings
+under `IDENTITY`, computed by the launcher before launch (`run_identity`), so every checkpoint
+carries it (`Trainer.save` writes the settings) and the export's metadata names it. Each model is
+named by the content fingerprint the cache key uses (`JobPlan.model_fingerprint`: weights files
+hashed once, memoized by path, size and mtime), so a resume on another file with the same
+architecture is refused before launch, naming both, as is one on another family. A checkpoint
+written before identities were recorded still resumes, with a warning that its base could not be
+checked.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.splitter import UserError
+from splitstage.tasks.job_plan import JobPlan
 
 # Settings that fix the sample stream or the trained tensors: a change is refused.
 FIXED = {
@@ -36,6 +48,9 @@ APPLIED = {
     "weight_decay": "train.weight_decay",
     "warmup_steps": "train.warmup_steps",
 }
+
+IDENTITY = "base"  # the key of the identity in the recorded run settings
+_SHOWN = 12  # hex digits of a fingerprint shown in messages and metadata
 
 
 class ResumeConfigError(UserError, ValueError):
@@ -85,3 +100,94 @@ def compare(
         for k in APPLIED
         if k in saved and saved[k] != now[k]
     ]
+
+
+def run_identity(plan: JobPlan) -> dict[str, Any]:
+    """{family, pipeline, models: {name: {fingerprint, source}}} of every model the run uses."""
+    family = plan.family
+    if plan.config.train.mode == "unsplit":
+        names = set(family.model_names)
+    else:
+        names = set(plan.split.models["stage1"]) | set(plan.split.models["stage2"])
+    models = {
+        name: {
+            "fingerprint": plan.model_fingerprint(name),
+            "source": describe_source(family.fingerprint_source(name)),
+        }
+        for name in sorted(names)
+    }
+    return {"family": family.name, "pipeline": plan.pipeline.name, "models": models}
+
+
+def describe_source(source: str | Mapping[str, Any]) -> str:
+    """A short human name of a model's source: its file, its first file, or its payload."""
+    if isinstance(source, str):
+        return source
+    files = list(source.get("files") or [])
+    if files:
+        more = f" (+{len(files) - 1} more files)" if len(files) > 1 else ""
+        return f"{files[0]}{more}"
+    return json.dumps(dict(source), sort_keys=True, separators=(",", ":"))
+
+
+def _model(entry: Mapping[str, Any]) -> str:
+    """'path (sha256 0123456789ab)'."""
+    return f"{entry.get('source')} (sha256 {str(entry.get('fingerprint'))[:_SHOWN]})"
+
+
+def check_resume_identity(
+    saved_settings: Mapping[str, Any] | None,
+    current: Mapping[str, Any],
+    *,
+    step: int,
+    checkpoint_url: str,
+) -> list[str]:
+    """Refuse (one line) a checkpoint made on another family, pipeline or base weights; a
+    checkpoint that records none resumes with one warning line, returned."""
+    saved = (saved_settings or {}).get(IDENTITY)
+    if not saved:
+        return [
+            f"checkpoint step {step} records no base weights or family (written before they "
+            f"were recorded): the base could not be checked; resuming on the {current['family']}"
+            " family with the weights this config names"
+        ]
+    fresh = f"or start fresh with another --run-id (or delete {checkpoint_url})"
+    if (saved.get("family"), saved.get("pipeline")) != (current["family"], current["pipeline"]):
+        raise ResumeConfigError(
+            f"checkpoint step {step} was trained on the {saved.get('family')!r} family (pipeline "
+            f"{saved.get('pipeline')!r}), and this config names {current['family']!r} (pipeline "
+            f"{current['pipeline']!r}): its weights cannot continue on another pipeline; set "
+            f"pipeline.name back to {saved.get('family')!r} (with the weights it was trained "
+            f"on), {fresh}"
+        )
+    before, now = saved.get("models") or {}, current["models"]
+    changed = sorted(
+        name
+        for name in before.keys() & now.keys()
+        if before[name].get("fingerprint") != now[name]["fingerprint"]
+    )
+    if changed:
+        what = "; ".join(
+            f"{name}: trained on {_model(before[name])}, now {_model(now[name])}"
+            for name in changed
+        )
+        raise ResumeConfigError(
+            f"checkpoint step {step} was trained on other base weights than this config names "
+            f"({what}): resuming would continue it on other weights; point the config back at "
+            f"the weights it was trained on, {fresh}"
+        )
+    return []
+
+
+def export_metadata(identity: Mapping[str, Any] | None) -> dict[str, str]:
+    """Safetensors metadata naming the base an export was trained on ({} when not recorded)."""
+    if not identity:
+        return {}
+    models = identity.get("models") or {}
+    return {
+        "splitstage_family": str(identity.get("family")),
+        "splitstage_pipeline": str(identity.get("pipeline")),
+        "splitstage_base": json.dumps(
+            {name: dict(entry) for name, entry in sorted(models.items())}, sort_keys=True
+        ),
+    }

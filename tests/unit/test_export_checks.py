@@ -14,8 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from splitstage.tasks.stage2.export import with_metadata
-from splitstage.tasks.stage2.resume import ResumeConfigError
-from splitstage.tasks.stage2.resume_identity import check_resume_identity
+from splitstage.tasks.stage2.resume import ResumeConfigError, check_resume_identity
 from tests.helpers.catalogue import assets, check_one_line, cli, job  # noqa: F401
 
 
