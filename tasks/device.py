@@ -1,6 +1,12 @@
-"""Device and precision from what is present: CUDA when there is one, CPU otherwise."""
+"""Device and precision from what is present (CUDA when there is one, CPU otherwise), and the
+memory a process holds on it."""
 
 from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -33,3 +39,30 @@ def pick_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
     if mixed_precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def resident_mb() -> float:
+    """Resident memory of this process now, in MiB (Linux /proc; 0 where unavailable)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_memory_gib(device: torch.device) -> dict[str, float]:
+    """This process's peak memory since it started, in GiB: the resident set (Linux ru_maxrss,
+    KiB) and, on a GPU, what torch's CUDA allocator held at most."""
+    peak = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if device.type == "cuda":
+        peak["peak_cuda_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return peak
+
+
+def tensor_mb(models: Iterable[torch.nn.Module]) -> float:
+    """The models' own size in MiB: their parameters' and buffers' bytes (each tensor once)."""
+    seen: dict[int, int] = {}
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values()) / 2**20

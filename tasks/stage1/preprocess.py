@@ -38,7 +38,7 @@ from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.device import pick_device
+from splitstage.tasks.device import peak_memory_gib, pick_device, resident_mb, tensor_mb
 from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline
@@ -186,10 +186,15 @@ def all_cached(
 
 
 def _compute(plan, store, todo, report, progress, on_progress) -> None:
-    """Load the stage-1 models and run the overlapped pipeline over `todo`, with a progress bar."""
+    """Load the stage-1 models and run the overlapped pipeline over `todo`, with a progress bar;
+    the worker's memory goes into the report (MiB): resident before the models were built, the
+    models' own size, and its peaks (resident, and CUDA's allocator on a GPU)."""
     device = pick_device(plan.config.preprocess.device)
     family = plan.family
+    before = resident_mb()
     models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
+    modules = [m for m in models.values() if isinstance(m, torch.nn.Module)]
+    report.memory = {"before_models_mb": before, "models_mb": tensor_mb(modules)}
     ctx = StepContext(models=models, device=device, settings=family.settings())
     done = 0
     bar = tqdm(
@@ -215,6 +220,8 @@ def _compute(plan, store, todo, report, progress, on_progress) -> None:
 
     with torch.no_grad(), bar:
         stage1_pipeline(plan, store, ctx, report, finished, row_of).run(todo)
+    peaks = peak_memory_gib(device)
+    report.memory |= {name.replace("_gib", "_mb"): gib * 1024 for name, gib in peaks.items()}
 
 
 def stage1_pipeline(

@@ -37,6 +37,7 @@ class ShardReport:
     quarantined: list[str] = field(default_factory=list)
     undecodable: dict[str, str] = field(default_factory=dict)  # key -> why (skip_bad_rows)
     validation_prompts: str | None = None  # shard 0 encodes the [validation] prompts: their URL
+    memory: dict[str, float] = field(default_factory=dict)  # MiB: see `_compute` (none cached)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PreprocessReport:
     checksums: str = "changed"  # which shards were re-read: "changed" ones or "all"
     quarantined: list[str] = field(default_factory=list)  # the index entries moved aside
     validation_prompts: str | None = None  # URL of the encoded [validation] prompts
+    memory: dict[str, float] = field(default_factory=dict)  # the worker with the largest peak
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
@@ -185,4 +187,5 @@ def summarize_shards(
         bytes_verified=sum(r.bytes_verified for r in reports),
         quarantined=quarantined,
         validation_prompts=next((r.validation_prompts for r in reports if r.shard == 0), None),
+        memory=max((r.memory for r in reports), key=lambda m: m.get("peak_rss_mb", 0), default={}),
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.batch_plan import Position
 from splitstage.tasks.cache.key_table import KeyTable
-from splitstage.tasks.device import pick_dtype
+from splitstage.tasks.device import peak_memory_gib, pick_dtype, resident_mb
 from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -92,15 +91,6 @@ def check_same_split(plan: JobPlan, launcher_split: dict[str, Any] | None) -> No
         )
 
 
-def current_rss_mb() -> float:
-    """Resident memory of this process now (Linux /proc; 0 where unavailable)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Move tensors of a batch to the training device."""
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -143,7 +133,7 @@ class Trainer:
     """The training loop of one rank; `run()` trains to the end and returns the figures."""
 
     def __init__(self, spec: dict[str, Any], plan: JobPlan | None = None):
-        self.baseline_rss_mb = current_rss_mb()  # after imports, before any model is built
+        self.baseline_rss_mb = resident_mb()  # after imports, before any model is built
         self.spec = spec
         self.config = SplitstageConfig.model_validate(spec["config"])
         self.dist: DistInfo = init_distributed()
@@ -364,21 +354,12 @@ class Trainer:
         self.step_seconds.append(seconds)
         if self.dist.is_main:
             lr = self.scheduler.get_last_lr()[0]
-            memory = self.peak_memory()
+            memory = peak_memory_gib(self.dist.device)
             figures = {"update": update, "loss": loss, "grad_norm": grad_norm, "lr": lr}
             append_metrics(self.run_dir, {**figures, "s": seconds, **memory})
             rate = self.samples_per_update / seconds if seconds > 0 else 0.0
             scalars = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": rate}
             self.tracking.scalars(update, scalars | memory)
-
-    def peak_memory(self) -> dict[str, float]:
-        """This process's peak memory since it started, in GiB: the resident set (Linux
-        ru_maxrss, KiB) and, on a GPU, what torch's CUDA allocator held at most."""
-        peak = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-        if self.dist.device.type == "cuda":
-            allocated = torch.cuda.max_memory_allocated(self.dist.device)
-            peak["peak_cuda_allocated_gib"] = allocated / 2**30
-        return peak
 
     def run(self) -> dict[str, Any]:
         """Train from the latest checkpoint to the end, then export the weights (rank 0)."""

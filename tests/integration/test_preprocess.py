@@ -110,6 +110,28 @@ def test_stage_one_never_builds_the_denoiser(assets, tmp_path, monkeypatch):
     assert sorted(built) == ["text_encoder", "vae"]
 
 
+def test_the_report_says_the_stage_one_memory(assets, tmp_path, monkeypatch):
+    """Each worker reports (MiB) its resident memory before the models were built, the stage-1
+    models' own size (their tensors' bytes) and its peak; the run reports the largest worker."""
+    built = []
+    real = DemoFamily.build_model
+
+    def spy(self, name, device, **kw):
+        built.append(real(self, name, device, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(DemoFamily, "build_model", spy)
+    config = make_config(assets, tmp_path)
+    report = preprocess(config, workers=1, progress=False)
+    tensors = {id(t): t for m in built for t in [*m.parameters(), *m.buffers()]}
+    own = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    memory = report.memory
+    assert memory["models_mb"] == pytest.approx(own) and own > 0
+    assert 0 < memory["before_models_mb"] < memory["peak_rss_mb"]
+    again = preprocess(config, workers=1, progress=False)  # all cached: no model, no figure
+    assert again.memory == {}
+
+
 def test_killed_worker_then_rerun_completes_without_recomputing_commits(assets, tmp_path):
     config = make_config(assets, tmp_path)
     config_path = tmp_path / "job.json"
