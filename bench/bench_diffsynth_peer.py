@@ -203,11 +203,18 @@ def splitstage(job: dict, work: Path, steps: int) -> dict:
     config = work / "job.toml"
     config.write_text(toml(document))
     cli = [str(SIDE_PYTHON), "-c", MAIN]
-    stage1 = watch([*cli, "preprocess", str(config)], work, "preprocess", role)
+    stage1 = watch([*cli, "preprocess", str(config), "--json"], work, "preprocess", role)
     stage2 = watch([*cli, "train", str(config), "--json"], work, "train", role, mark="update 1/")
-    report = json.loads(stage2["out"][stage2["out"].rindex("\n{") :])
+    report = last_json(stage2["out"])
     loop, loads = sum(report.get("step_seconds") or []), report.get("models_loaded")
-    return figures(stage1, stage2, loop, report.get("updates"), [f"slots {loads}"])
+    row = figures(stage1, stage2, loop, report.get("updates"), [f"slots {loads}"])
+    return row | {"s1_memory": last_json(stage1["out"]).get("memory") or {}}
+
+
+def last_json(out: str) -> dict:
+    """The JSON document a `--json` command printed last (after any log lines)."""
+    text = "\n" + out
+    return json.loads(text[text.rindex("\n{") :])
 
 
 def diffsynth(job: dict, data: Path, work: Path, steps: int, targets: str) -> dict:
@@ -294,6 +301,16 @@ def main() -> None:
             print(f"  {title:<18} {ratio:6.2f}{met}")
     for tool, row in results.items():
         print(f"{tool} stage 2 loaded {row['loads']}; processes {row['processes']}")
+    memory = results["splitstage"].get("s1_memory") or {}
+    if memory:  # the goal: stage-1 peak <= 1.05 x the models' own size + the baseline before them
+        base, models, peak = (memory[k] for k in ("before_models_mb", "models_mb", "peak_rss_mb"))
+        bound = base + 1.05 * models
+        print(
+            f"splitstage stage 1: peak {peak:.0f} MB = {base:.0f} MB before the models + "
+            f"{peak - base:.0f} MB with them (the models' own size {models:.1f} MB; "
+            f"{(peak - base) / models:.2f}x); goal <= {bound:.0f} MB: "
+            f"{'met' if peak <= bound else 'NO'}"
+        )
 
 
 if __name__ == "__main__":
