@@ -381,7 +381,7 @@ def skip_what_the_job_cannot_use(args: argparse.Namespace, config) -> None:
     if getattr(args, "one_job", False):
         from splitstage.tasks.process_imports import skip_unused_libraries
 
-        skip_unused_libraries(config.model_dump(mode="json", include={"train": {"optimizer"}}))
+        skip_unused_libraries(config.model_dump(mode="json"))
 
 
 def main(argv: Sequence[str] | None = None, *, one_job: bool = False) -> int:

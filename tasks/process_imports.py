@@ -8,18 +8,42 @@ next that needs what this one skips.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-UNUSED_UNLESS = {"bitsandbytes": "adamw8bit"}  # library -> the one train.optimizer that uses it
+
+def trains_with_adamw8bit(config: Mapping[str, Any]) -> bool:
+    """bitsandbytes' one use here: `train.optimizer = "adamw8bit"`."""
+    return config.get("train", {}).get("optimizer", "adamw") == "adamw8bit"
+
+
+def names_a_credentials_block(config: Any) -> bool:
+    """boto3's one use here: a Prefect AWS block (`credentials_block`, anywhere in the config or
+    in options handed on) is read through prefect-aws, which builds boto3 sessions; s3fs itself
+    runs on aiobotocore and botocore."""
+    if isinstance(config, Mapping):
+        return any(
+            (key == "credentials_block" and value) or names_a_credentials_block(value)
+            for key, value in config.items()
+        )
+    if isinstance(config, list | tuple):
+        return any(names_a_credentials_block(value) for value in config)
+    return False
+
+
+# library -> whether a job (its config as a dict) can use it
+USED_WHEN: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+    "bitsandbytes": trains_with_adamw8bit,
+    "boto3": names_a_credentials_block,
+}
 
 
 def skip_unused_libraries(config: Mapping[str, Any]) -> None:
-    """Mark bitsandbytes absent unless the job (a config dict) trains with `adamw8bit`, its only
-    use here: peft, diffusers and transformers import it whenever it is installed (~1.5 s of
-    each process start here). `sys.modules[name] = None` is Python's way to say so: every
+    """Mark absent each library the job (a config dict) cannot use, though a library it imports
+    would load it whenever it is installed: peft, diffusers and transformers import bitsandbytes
+    (~1.5 s of each process start here), accelerate imports boto3 for its SageMaker settings
+    (~0.1-0.3 s, ~9 MB). `sys.modules[name] = None` is Python's way to say so: every
     `find_spec` then answers "not installed" and an import fails, so no library half-uses it."""
-    optimizer = config.get("train", {}).get("optimizer", "adamw")
-    for library, user in UNUSED_UNLESS.items():
-        if optimizer != user:
+    for library, used in USED_WHEN.items():
+        if not used(config):
             sys.modules.setdefault(library, None)  # type: ignore[arg-type]

@@ -158,3 +158,25 @@ def test_only_the_console_scripts_one_job_process_skips_bitsandbytes():
         done = run(MARKS % (optimizer, one_job))
         assert done.returncode == 0, done.stderr
         assert done.stdout == shown, (optimizer, one_job, done.stdout)
+
+
+ACCELERATOR_AFTER = (
+    "import sys\n"
+    "from splitstage.tasks.process_imports import skip_unused_libraries\n"
+    "skip_unused_libraries(%r)\n"
+    "from accelerate import Accelerator\n"
+    "Accelerator(cpu=True)\n"
+    "print(sys.modules.get('boto3', 'unset') is None, 'botocore' in sys.modules, end='')\n"
+)
+
+
+def test_a_rank_loads_boto3_only_for_a_credentials_block():
+    """accelerate imports boto3 (its SageMaker settings) whenever it is installed; a process of
+    one job marks it absent unless the config names a Prefect credentials block (read through
+    prefect-aws's boto3 sessions), and accelerate then builds its Accelerator without it."""
+    block = {"data": {"credentials_block": "aws-credentials/mine"}}
+    handed_on = {"cache": {"storage_options": {"credentials_block": {"name": "s3-bucket/b"}}}}
+    for config, skipped in (({}, "True False"), (block, "False True"), (handed_on, "False True")):
+        done = run(ACCELERATOR_AFTER % (config,))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == skipped, (config, done.stdout)
