@@ -192,8 +192,9 @@ def figures(stage1: dict, stage2: dict, loop: float, updates: int | None, loads:
     return row | {"processes": sorted(named)}
 
 
-def splitstage(job: dict, work: Path, steps: int) -> dict:
-    """`preprocess` then `train` with the real CLI, as bench_startup.measure runs them."""
+def splitstage(job: dict, work: Path, steps: int, stage1_only: bool = False) -> dict:
+    """`preprocess` then `train` with the real CLI, as bench_startup.measure runs them (only
+    `preprocess` with `stage1_only`: its watch figures and its report's memory)."""
     train = job["train"] | {"learning_rate": LR, "weight_decay": DECAY, "max_steps": steps}
     train |= {"epochs": math.ceil(steps / SAMPLES), "log_every": 1, "checkpoint_every": 10_000}
     cache = {"url": str(work / "cache"), "shard_samples": SAMPLES}
@@ -204,6 +205,8 @@ def splitstage(job: dict, work: Path, steps: int) -> dict:
     config.write_text(toml(document))
     cli = [str(SIDE_PYTHON), "-c", MAIN]
     stage1 = watch([*cli, "preprocess", str(config), "--json"], work, "preprocess", role)
+    if stage1_only:
+        return stage1 | {"memory": last_json(stage1["out"]).get("memory") or {}}
     stage2 = watch([*cli, "train", str(config), "--json"], work, "train", role, mark="update 1/")
     report = last_json(stage2["out"])
     loop, loads = sum(report.get("step_seconds") or []), report.get("models_loaded")
@@ -217,8 +220,11 @@ def last_json(out: str) -> dict:
     return json.loads(text[text.rindex("\n{") :])
 
 
-def diffsynth(job: dict, data: Path, work: Path, steps: int, targets: str) -> dict:
-    """`accelerate launch` of the driver: sft:data_process, then sft:train from its .pth files."""
+def diffsynth(
+    job: dict, data: Path, work: Path, steps: int, targets: str, stage1_only: bool = False
+) -> dict:
+    """`accelerate launch` of the driver: sft:data_process, then sft:train from its .pth files
+    (only sft:data_process with `stage1_only`: its watch figures)."""
     driver = work / "diffsynth_driver.py"
     driver.write_text(DRIVER)
     pipeline = job["pipeline"]
@@ -240,6 +246,8 @@ def diffsynth(job: dict, data: Path, work: Path, steps: int, targets: str) -> di
          ",".join(dit), "--task", "sft:data_process"],
         work, "data_process", diffsynth_role,
     )  # fmt: skip
+    if stage1_only:
+        return stage1
     stage2 = watch(
         [*launch, "--dataset_base_path", str(cache), "--max_data_items", str(steps),
          "--output_path", str(work / "out"), "--offload_models",
@@ -258,11 +266,78 @@ COLUMNS = list(zip((KEYS + " s1_largest_mb s1_tree_mb updates").split(), TITLES.
 GOALS = {"rank_mb": 1.05, "first_update_s": 1.2}
 
 
+# 16 layers with a wide MLP: ~50M parameters in ~100 tensors of up to 4 MB, written in bf16
+# (the pipeline's dtype), as a real text encoder's file is.
+LARGER = {"text_encoder": {"layers": 16, "intermediate_size": 32768}}
+
+
+def with_larger_models(job: dict, folder: Path) -> dict:
+    """The job on tiny Z-Image files with a larger text encoder, in `folder` (all in bf16):
+    stage 1 loads and holds it."""
+    script = (
+        "import json, sys, torch; from splitstage.tiny_diffsynth import write_tiny_models; "
+        "print(json.dumps(write_tiny_models('ZImagePipeline', sys.argv[1], "
+        f"kwargs_of={LARGER!r}, dtype=torch.bfloat16)))"
+    )
+    done = subprocess.run(
+        [str(SIDE_PYTHON), "-c", script, str(folder)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **ENV},
+    )
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    return job | {"pipeline": job["pipeline"] | info}
+
+
+def stage1_sizes(job: dict, out: Path, targets: str, repeats: int) -> None:
+    """Stage 1 of both tools at two text-encoder sizes: what each extra MB of stage-1 model costs
+    at the peak (the goal: splitstage's peak <= its baseline + 1.05x the stage-1 models' own
+    size, the baseline measured as the small run's peak less its models)."""
+    jobs = {"tiny": job, "larger": with_larger_models(job, out / "assets" / "zimage-larger")}
+    peaks: dict[tuple[str, str], float] = {}
+    models: dict[str, float] = {}
+    for _ in range(repeats):
+        for size, body in jobs.items():
+            for tool in ("splitstage", "diffsynth"):
+                work = out / "runs" / f"s1-{tool}-{size}-{time.time_ns()}"
+                work.mkdir(parents=True)
+                if tool == "splitstage":
+                    row = splitstage(body, work, 1, stage1_only=True)
+                    models[size] = row["memory"]["models_mb"]
+                else:
+                    row = diffsynth(body, out / "assets/data", work, 1, targets, stage1_only=True)
+                key = (tool, size)
+                peaks[key] = min(peaks.get(key, math.inf), row["largest_rss"])
+                print(tool, size, f"{row['largest_rss']:.0f} MB", flush=True)
+    grown = models["larger"] - models["tiny"]
+    print(
+        f"\nstage 1, largest process peak RSS (MB); stage-1 models' own size (splitstage's "
+        f"report): tiny {models['tiny']:.1f} MB, larger {models['larger']:.1f} MB"
+    )
+    for tool in ("splitstage", "diffsynth"):
+        small, large = peaks[(tool, "tiny")], peaks[(tool, "larger")]
+        print(
+            f"  {tool:<11} tiny {small:6.0f}  larger {large:6.0f}  per model MB "
+            f"{(large - small) / grown:5.2f}"
+        )
+    base = peaks[("splitstage", "tiny")] - models["tiny"]
+    bound = base + 1.05 * models["larger"]
+    peak = peaks[("splitstage", "larger")]
+    print(
+        f"splitstage: peak {peak:.0f} MB with the larger models; baseline {base:.0f} MB + 1.05 x "
+        f"{models['larger']:.0f} MB = {bound:.0f} MB: {'met' if peak <= bound else 'NO'}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2, help="runs per tool; minimum kept")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-diffsynth-peer"))
+    parser.add_argument(
+        "--stage1-sizes", action="store_true", help="only stage 1, at two text-encoder sizes"
+    )
     args = parser.parse_args()
     if not SIDE_PYTHON.exists():
         raise SystemExit(f"no {SIDE_PYTHON}: DiffSynth-Studio's side environment is needed")
@@ -271,6 +346,9 @@ def main() -> None:
     from splitstage.pipelines.diffsynth.config import PIPELINES
 
     targets = ",".join(PIPELINES["ZImagePipeline"][1])  # splitstage's default LoRA targets
+    if args.stage1_sizes:
+        stage1_sizes(job, args.out, targets, args.repeats)
+        return
     results: dict[str, dict] = {}
     for _ in range(args.repeats):  # tools interleaved: a busy box slows both alike
         for tool in ("splitstage", "diffsynth"):

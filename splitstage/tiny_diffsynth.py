@@ -40,16 +40,17 @@ CHAT_TEMPLATE = (
 
 
 class TinyZImageTextEncoder(ZImageTextEncoder):
-    """ZImageTextEncoder around a 2-layer Qwen3 of width 32 (hidden_states[-2] is read)."""
+    """ZImageTextEncoder around a 2-layer Qwen3 of width 32 (hidden_states[-2] is read); more
+    layers or a wider MLP make a larger one of the same output (a memory bench's)."""
 
-    def __init__(self, vocab_size: int = 300):
+    def __init__(self, vocab_size: int = 300, layers: int = 2, intermediate_size: int = 64):
         torch.nn.Module.__init__(self)
         from transformers import Qwen3Config, Qwen3Model
 
         config = Qwen3Config(
             hidden_size=TEXT_DIM,
-            intermediate_size=64,
-            num_hidden_layers=2,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=layers,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=16,
@@ -345,19 +346,32 @@ TOKENIZERS = {
 }
 
 
-def write_tiny_models(pipeline_class: str, folder: str | Path, *, seed: int = 0) -> dict[str, Any]:
-    """Write the tiny models of `pipeline_class` and its tokenizer under `folder`; returns
-    {"model_paths": [...], "tokenizer_path": ..., "register_models": [...]} for `[pipeline]`."""
+def write_tiny_models(
+    pipeline_class: str,
+    folder: str | Path,
+    *,
+    seed: int = 0,
+    kwargs_of: dict[str, dict[str, Any]] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Write the tiny models of `pipeline_class` and its tokenizer under `folder` (`kwargs_of`:
+    constructor arguments added per slot, e.g. a larger text encoder for a memory bench; the
+    files' floating tensors in `dtype`); returns {"model_paths": [...], "tokenizer_path": ...,
+    "register_models": [...]} for `[pipeline]`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     entries, paths = [], []
-    for model_name, class_path, kwargs, file_name in MODELS[pipeline_class].values():
+    for slot, (model_name, class_path, kwargs, file_name) in MODELS[pipeline_class].items():
+        kwargs = {**kwargs, **(kwargs_of or {}).get(slot, {})}
         model = build_initialized(_class(class_path), kwargs)
         with torch.no_grad():  # small weights: the tiny models stay numerically tame
             for param in model.parameters():
                 param.mul_(0.5)
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        state = {
+            k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
+            for k, v in model.state_dict().items()
+        }
         check_finite(state, file_name)
         path = folder / file_name
         save_file(state, str(path))
