@@ -192,14 +192,18 @@ def figures(stage1: dict, stage2: dict, loop: float, updates: int | None, loads:
     return row | {"processes": sorted(named)}
 
 
-def splitstage(job: dict, work: Path, steps: int, stage1_only: bool = False) -> dict:
+def splitstage(
+    job: dict, work: Path, steps: int, stage1_only: bool = False, trackers: str = "none"
+) -> dict:
     """`preprocess` then `train` with the real CLI, as bench_startup.measure runs them (only
-    `preprocess` with `stage1_only`: its watch figures and its report's memory)."""
+    `preprocess` with `stage1_only`: its watch figures and its report's memory); `trackers`:
+    `tracking.report_to` ("none" as DiffSynth's example, which logs to no tracker)."""
     train = job["train"] | {"learning_rate": LR, "weight_decay": DECAY, "max_steps": steps}
     train |= {"epochs": math.ceil(steps / SAMPLES), "log_every": 1, "checkpoint_every": 10_000}
     cache = {"url": str(work / "cache"), "shard_samples": SAMPLES}
     document = {"job": {"name": "peer", "seed": 0}, **job, "cache": cache}
     document |= {"output": {"url": str(work / "out")}, "train": train}
+    document["tracking"] = {"report_to": trackers}
     document["train"]["scratch_dir"] = str(work / "runs")
     config = work / "job.toml"
     config.write_text(toml(document))
@@ -338,6 +342,12 @@ def main() -> None:
     parser.add_argument(
         "--stage1-sizes", action="store_true", help="only stage 1, at two text-encoder sizes"
     )
+    parser.add_argument(
+        "--trackers",
+        choices=("none", "auto"),
+        default="none",
+        help="splitstage's tracking.report_to: none (as DiffSynth's example) or auto (TensorBoard)",
+    )
     args = parser.parse_args()
     if not SIDE_PYTHON.exists():
         raise SystemExit(f"no {SIDE_PYTHON}: DiffSynth-Studio's side environment is needed")
@@ -355,7 +365,7 @@ def main() -> None:
             work = args.out / "runs" / f"{tool}-{time.time_ns()}"
             work.mkdir(parents=True)
             if tool == "splitstage":
-                row = splitstage(job, work, args.steps)
+                row = splitstage(job, work, args.steps, trackers=args.trackers)
             else:
                 row = diffsynth(job, args.out / "assets/data", work, args.steps, targets)
             print(tool, json.dumps(row), flush=True)
@@ -380,14 +390,11 @@ def main() -> None:
     for tool, row in results.items():
         print(f"{tool} stage 2 loaded {row['loads']}; processes {row['processes']}")
     memory = results["splitstage"].get("s1_memory") or {}
-    if memory:  # the goal: stage-1 peak <= 1.05 x the models' own size + the baseline before them
+    if memory:  # at these sizes the models are noise: --stage1-sizes measures their cost
         base, models, peak = (memory[k] for k in ("before_models_mb", "models_mb", "peak_rss_mb"))
-        bound = base + 1.05 * models
         print(
-            f"splitstage stage 1: peak {peak:.0f} MB = {base:.0f} MB before the models + "
-            f"{peak - base:.0f} MB with them (the models' own size {models:.1f} MB; "
-            f"{(peak - base) / models:.2f}x); goal <= {bound:.0f} MB: "
-            f"{'met' if peak <= bound else 'NO'}"
+            f"splitstage stage 1 (its report): {base:.0f} MB before the models, peak {peak:.0f} MB"
+            f" (models' own size {models:.1f} MB; per-MB cost: --stage1-sizes)"
         )
 
 
