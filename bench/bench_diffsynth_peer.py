@@ -29,16 +29,15 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_startup import ENV, MAIN, SIDE_PYTHON, role, toml, write_assets  # noqa: E402
+from bench_startup import ENV, MAIN, SIDE_PYTHON, role, run, toml, write_assets  # noqa: E402
 
-SAMPLES, LR, DECAY, MB = 8, 1e-4, 0.01, 2**20
+SAMPLES, LR, DECAY = 8, 1e-4, 0.01
 ACCELERATE = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
 ACCELERATE += ["--mixed_precision", "no", "--dynamo_backend", "no"]
 DRIVER = '''"""Z-Image split training on DiffSynth-Studio's public APIs, as its example train.py."""
@@ -128,56 +127,15 @@ def diffsynth_role(proc: psutil.Process, launcher: int) -> str:
 
 
 def watch(command: list[str], cwd: Path, log: str, label, mark: str | None = None) -> dict:
-    """Run a command to the end: wall seconds, output, when `mark` first appeared, peak RSS and
-    USS (MB) per role, of the largest process and summed over the process tree; the output is
-    kept in cwd/<log>.log."""
-    start = time.perf_counter()
+    """bench_startup's `run` of a command (its own PYTHONPATH dropped), flattened: wall seconds,
+    output, when `mark` first appeared, `<role>_rss` / `<role>_uss` peaks (MB) with "largest"
+    and "tree" among the roles; the output is kept in cwd/<log>.log."""
     env = {k: v for k, v in {**os.environ, **ENV}.items() if k != "PYTHONPATH"}
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
-    )
-    lines, first = [], []
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if mark and not first and mark in line:
-                first.append(time.perf_counter() - start)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    peaks: dict[str, float] = {}
-    root, next_uss = psutil.Process(proc.pid), 0.0
-    while proc.poll() is None:
-        try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            procs = []
-        now = time.perf_counter()
-        deep, total = now >= next_uss, {"rss": 0.0, "uss": 0.0}
-        for child in procs:
-            name = label(child, proc.pid)
-            try:
-                sample = {"rss": child.memory_info().rss / MB}
-                if deep:  # smaps of a torch process takes ~10-50 ms to read
-                    sample["uss"] = child.memory_full_info().uss / MB
-            except psutil.Error:
-                continue
-            for kind, value in sample.items():
-                for key in (f"{name}_{kind}", f"largest_{kind}"):
-                    peaks[key] = max(peaks.get(key, 0.0), value)
-                total[kind] += value
-        peaks["tree_rss"] = max(peaks.get("tree_rss", 0.0), total["rss"])
-        if deep:
-            peaks["tree_uss"] = max(peaks.get("tree_uss", 0.0), total["uss"])
-            next_uss = now + 0.5
-        time.sleep(0.05)
-    reader.join()
-    wall, text = time.perf_counter() - start, "".join(lines)
-    (cwd / f"{log}.log").write_text(text)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(command[-3:])} failed ({proc.returncode}):\n{text[-3000:]}")
-    return {"wall": wall, "out": text, "first": first[0] if first else None, **peaks}
+    result = run(command, env, cwd, mark, label=label)
+    (cwd / f"{log}.log").write_text(result["out"])
+    flat = {f"{name}_rss": mb for name, mb in result["peaks"].items()}
+    flat |= {f"{name}_uss": mb for name, mb in result["uss"].items()}
+    return {"wall": result["wall"], "out": result["out"], "first": result["first"], **flat}
 
 
 def figures(stage1: dict, stage2: dict, loop: float, updates: int | None, loads: list) -> dict:

@@ -152,10 +152,13 @@ def role(proc: psutil.Process, launcher: int) -> str:
     return "other"
 
 
-def run(command: list[str], env: dict[str, str], cwd: Path, mark: str | None = None) -> dict:
+def run(
+    command: list[str], env: dict[str, str], cwd: Path, mark: str | None = None, label=role
+) -> dict:
     """Run a command to the end in `cwd` (never the checkout: `python -c` puts the working folder
     first on sys.path, which would shadow the base tree): wall seconds, stdout, when `mark` first
-    appeared, the peak RSS (MB) of each role in its process tree, and its peak USS (MB)."""
+    appeared, the peak RSS (MB) of each role (`label(process, root pid)`) in its process tree, and
+    its peak USS (MB); "largest" (any one process) and "tree" (summed) peaks besides."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
@@ -181,16 +184,22 @@ def run(command: list[str], env: dict[str, str], cwd: Path, mark: str | None = N
         except psutil.Error:
             procs = []
         now = time.perf_counter()
+        deep = now >= next_uss  # smaps of a torch process takes ~10-50 ms to read
+        tree_rss = tree_uss = 0.0
         for child in procs:
-            name = role(child, proc.pid)
+            name = label(child, proc.pid)
             try:
                 rss = child.memory_info().rss / 2**20
-                uss = child.memory_full_info().uss / 2**20 if now >= next_uss else 0.0
+                uss = child.memory_full_info().uss / 2**20 if deep else 0.0
             except psutil.Error:
                 continue
-            peaks[name] = max(peaks.get(name, 0.0), rss)
-            unique[name] = max(unique.get(name, 0.0), uss)
-        if now >= next_uss:  # smaps of a torch process takes ~10-50 ms to read
+            tree_rss, tree_uss = tree_rss + rss, tree_uss + uss
+            for key in (name, "largest"):
+                peaks[key] = max(peaks.get(key, 0.0), rss)
+                unique[key] = max(unique.get(key, 0.0), uss)
+        peaks["tree"] = max(peaks.get("tree", 0.0), tree_rss)
+        if deep:
+            unique["tree"] = max(unique.get("tree", 0.0), tree_uss)
             next_uss = now + 0.5
         time.sleep(0.05)
     reader.join()
