@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from splitstage.config.job import SplitstageConfig, config_from_dict
+from splitstage.config.job import config_from_dict
 from splitstage.splitter import UserError
 from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.process_imports import skip_unused_libraries
@@ -32,17 +32,11 @@ from splitstage.tasks.stage2.process_exit import leave
 SAMPLES_FILE = "samples.safetensors"  # staged here; the launcher moves it into the run folder
 
 
-def prepare(
-    config: SplitstageConfig,
-    run_id: str,
-    run_root: str | Path,
-    staging: Path,
-    plan: JobPlan | None = None,
-) -> dict[str, Any]:
-    """Plan (unless given the plan), resolve the run's places and check everything before
-    launch (each once); the keys to train on, when they are not the cache's manifest, are
+def prepare(plan: JobPlan, run_id: str, run_root: str | Path, staging: Path) -> dict[str, Any]:
+    """Resolve the run's places and check everything before launch (each once, on the plan
+    this process made); the keys to train on, when they are not the cache's manifest, are
     written into `staging`."""
-    plan = plan if plan is not None else make_plan(config)
+    config = plan.config
     paths = run_paths(config, run_id, run_root)
     checks = preflight(plan, paths)
     samples_file = None
@@ -90,7 +84,7 @@ def set_up(request_path: str, reply_path: str) -> tuple[int, JobPlan | None]:
         staging = Path(reply_path).parent
         plan = make_plan(config)
         run = (request["run_id"], request["run_root"], staging)
-        reply = {"prepared": prepare(config, *run, plan=plan)}
+        reply = {"prepared": prepare(plan, *run)}
     except Exception as error:
         reply = {"error": error_reply(error)}
         code, plan = 1 if reply["error"]["kind"] == "bug" else 2, None

@@ -19,6 +19,7 @@ import pytest
 
 from splitstage.config.job import ConfigError
 from splitstage.splitter import UserError
+from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.preflight import StaleCacheError
 from splitstage.tasks.stage2.prepare import prepare
@@ -198,7 +199,7 @@ def test_the_set_up_the_child_runs_reads_no_weights(workspace, tmp_path):
     """`prepare` (what the child runs) in this process, watched: configs and headers only."""
     config = tiny_config(workspace, "no-weights-set-up", 0)
     with weight_loads() as seen:
-        prepared = prepare(config, "no-weights-set-up", tmp_path / "runs", tmp_path)
+        prepared = prepare(make_plan(config), "no-weights-set-up", tmp_path / "runs", tmp_path)
     assert seen == []
     assert prepared["cache_key"] and prepared["split"]["v1"] is not None
     json.dumps(prepared)  # all of it goes through JSON to the launcher

@@ -79,7 +79,8 @@ def test_the_set_up_child_plans_once_and_checks_once(workspace, monkeypatch, tmp
     monkeypatch.setattr(
         outputs, "output_storage_options", lambda *a: resolved.append(a[1]) or options(*a)
     )
-    prepared = set_up.prepare(tiny_config(workspace, "child", 0), "child", tmp_path, tmp_path)
+    plan = set_up.make_plan(tiny_config(workspace, "child", 0))
+    prepared = set_up.prepare(plan, "child", tmp_path, tmp_path)
     paths = prepared["paths"]
     assert len(plans) == 1 and builds == [("dit", True)] and len(opened) == 1
     assert resolved == [paths["output_url"], paths["checkpoint_url"]]
