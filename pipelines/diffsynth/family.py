@@ -38,7 +38,7 @@ from splitstage.pipelines.diffsynth.loader import (
     load_slot,
     meta_model,
     skeleton,
-    slot_sources,
+    stand_ins,
     training_mode,
 )
 from splitstage.pipelines.diffsynth.pipeline_units import DiffSynthUnits, loss_inputs
@@ -107,18 +107,29 @@ class DiffSynthFamily(Family):
     # -- the pipeline object ---------------------------------------------------------------------
     @property
     def pipe(self) -> Any:
-        """The pipeline holding the models this process built so far (build_model), and no other:
-        stage 1 its stage-1 models, stage 2 the trained ones its loss sets each step."""
+        """The pipeline holding the models this process built so far (build_model; stage 1 its
+        stage-1 models, stage 2 the ones its loss sets each step) and, in every other slot a
+        file fills, that model's meta-device stand-in (no weights), as DiffSynth's split
+        training holds an offloaded one."""
         with self._lock:
             if self._pipe is None:
-                self._pipe = training_mode(skeleton(self.group))
+                pipe = training_mode(skeleton(self.group))
+                for slot, model in self.stand_ins.items():
+                    setattr(pipe, slot, model)
+                self._pipe = pipe
             return self._pipe
+
+    @cached_property
+    def stand_ins(self) -> dict[str, nn.Module]:
+        """Pipeline slot -> the model DiffSynth's from_pretrained puts there, on the meta device
+        (headers and meta-device builds only; `.splitstage_source`: its file and entry)."""
+        return stand_ins(self.group)
 
     @cached_property
     def sources(self) -> dict[str, SlotSource]:
         """Pipeline slot -> its file and MODEL_CONFIGS entry, as DiffSynth's from_pretrained
-        fills it (headers and meta-device builds only)."""
-        return slot_sources(self.group)
+        fills it."""
+        return {slot: model.splitstage_source for slot, model in self.stand_ins.items()}
 
     @cached_property
     def prompt_slots(self) -> frozenset[str]:

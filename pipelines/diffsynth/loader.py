@@ -1,10 +1,12 @@
 """DiffSynth model files without loading them, and DiffSynth's `from_pretrained` on one of them.
 
 Which pipeline slot a file fills is DiffSynth's own logic: the file's key-and-shape hash picks its
-MODEL_CONFIGS entries, and the pipeline's `from_pretrained` fetches them into slots. `slot_sources`
+MODEL_CONFIGS entries, and the pipeline's `from_pretrained` fetches them into slots. `stand_ins`
 runs that `from_pretrained` over models built on the meta device (headers read, no weights), so
-`validate`, preflight and stage 2 know every slot's file and class for free; `load_slot` then
-loads exactly one slot's model with DiffSynth's own loader, its file and its entry only.
+`validate`, preflight and stage 2 know every slot's file and class for free, and a stage holds
+those meta models as stand-ins for the slots it does not load; `load_slot` then loads exactly
+one slot's model with DiffSynth's own loader, its file and its entry only, the
+file's tensors mapped from disk rather than copied (DiffSynth's DiskMap clones every tensor).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from splitstage.pipelines.diffsynth.config import (
     DiffSynthPipelineConfig,
     RegisteredModel,
 )
-from splitstage.storage.safetensors_io import read_header
+from splitstage.storage.safetensors_io import mapped_state, read_header
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _CONFIGS_LOCK = threading.Lock()  # DiffSynth's MODEL_CONFIGS is one global list
@@ -137,9 +139,13 @@ def _pool_for(cls: type, pool: Any) -> Iterator[None]:
             cls.download_and_load_models = own
 
 
-def slot_sources(config: DiffSynthPipelineConfig) -> dict[str, SlotSource]:
-    """Slot -> the file and entry DiffSynth's `from_pretrained` puts there, found by running it
-    over meta-device models (its slot rules, e.g. Wan's dit / dit2, unchanged; nothing loaded)."""
+def stand_ins(config: DiffSynthPipelineConfig) -> dict[str, torch.nn.Module]:
+    """Slot -> the model DiffSynth's `from_pretrained` puts there, built on the meta device (its
+    slot rules, e.g. Wan's dit / dit2, unchanged; nothing loaded; `.splitstage_source` is its
+    file and entry). A stage that does not load a slot holds its stand-in there, as DiffSynth's
+    split training holds an offloaded model: units that look at another slot's structure
+    (Z-Image's prompt unit picks its encoding by the DiT's `siglip_embedder`) see what they
+    see in DiffSynth."""
     pool = diffsynth_module("diffsynth.models.model_loader").ModelPool()
     for path in config.model_paths:
         for entry in file_entries(path, config.register_models):
@@ -154,7 +160,7 @@ def slot_sources(config: DiffSynthPipelineConfig) -> dict[str, SlotSource]:
             torch_dtype=DTYPES[config.torch_dtype], device="cpu", tokenizer_config=None
         )
     return {
-        slot: model.splitstage_source
+        slot: model.to("meta").requires_grad_(False).eval()  # its buffers too: it holds nothing
         for slot, model in pipe.named_children()
         if hasattr(model, "splitstage_source")
     }
@@ -190,13 +196,16 @@ def load_slot(
     config: DiffSynthPipelineConfig, source: SlotSource, device: torch.device, tokenizer: bool
 ) -> Any:
     """DiffSynth's `from_pretrained` on one slot's file as its entry alone (plus the tokenizer
-    when asked): a pipeline holding that one model, in training mode."""
+    when asked): a pipeline holding that one model, in training mode. The file's tensors go in
+    as a mapped state dict (DiffSynth's ModelConfig.state_dict): its converter, load_state_dict
+    (assign) and dtype / device move run as for a file it reads itself."""
     core = diffsynth_module("diffsynth.core")
+    model = core.ModelConfig(path=source.path, state_dict=mapped_state(source.path))
     with _only_entries([source.entry]):
         pipe = pipeline_class(config).from_pretrained(
             torch_dtype=DTYPES[config.torch_dtype],
             device=str(device),
-            model_configs=[core.ModelConfig(path=source.path)],
+            model_configs=[model],
             tokenizer_config=core.ModelConfig(path=config.tokenizer_path) if tokenizer else None,
         )
     return training_mode(pipe)

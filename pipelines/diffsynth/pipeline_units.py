@@ -113,7 +113,22 @@ def encode(name: str, value: Any, unit: str, lists: frozenset[str]) -> Any:
                 "cache layout does not know; add it to units.TENSOR_LISTS"
             )
         return torch.stack(list(value))
+    if holds_tensor(value):  # e.g. lists of lists (Z-Image Omni-Base's prompt segments)
+        raise UnitRunError(
+            f"unit '{unit}' wrote '{name}' as tensors nested in lists or dicts, which splitstage's "
+            "cache does not store (a tensor, a list of one sample's tensors, or JSON values); "
+            "this model variant is not supported by the diffsynth family yet"
+        )
     return value
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether a list / tuple / dict holds a tensor at any depth."""
+    if isinstance(value, list | tuple):
+        return any(torch.is_tensor(v) or holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(torch.is_tensor(v) or holds_tensor(v) for v in value.values())
+    return False
 
 
 class DiffSynthUnits:

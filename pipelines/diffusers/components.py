@@ -15,7 +15,7 @@ from splitstage.config.job import ConfigError
 from splitstage.pipelines.diffusers.single_file import SingleFileError, single_file_rules
 from splitstage.pipelines.key_rules import Rule
 from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
-from splitstage.storage.safetensors_io import index_weight_map, is_index_path
+from splitstage.storage.safetensors_io import is_index_path, mapped_state
 
 LIBRARIES = ("diffusers", "transformers")
 
@@ -81,25 +81,6 @@ def build_empty(component: Component) -> nn.Module:
     return model
 
 
-def read_state(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a .safetensors file or of the shards a .safetensors.index.json lists."""
-    if is_index_path(str(path)):
-        try:
-            weight_map = index_weight_map(path.read_bytes())
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"{path} {error}") from None
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            state.update(read_state(path.parent / shard))
-        return state
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except (OSError, SafetensorError) as error:
-        reason = _first_line(error)
-        raise ConfigError(f"{path}: not a readable safetensors file ({reason})") from None
-
-
 def file_shapes(component: Component) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in the component's weights files, from their headers only."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -151,7 +132,7 @@ def init_buffers(model: nn.Module) -> None:
 def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The component built on meta, loaded from its weights (exactly: strict keys), frozen."""
     model = build_empty(component)
-    state = read_state(component.weights)
+    state = mapped_state(component.weights)
     shapes = {key: tuple(t.shape) for key, t in state.items()}
     rules = _original_layout(component, model, shapes)
     if rules is not None:

@@ -13,8 +13,8 @@ from splitstage.pipelines.diffusers.components import (
     Component,
     build_empty,
     init_buffers,
-    read_state,
 )
+from splitstage.storage.safetensors_io import mapped_state
 
 
 def pipeline_template() -> tuple[str, int]:
@@ -85,7 +85,7 @@ def load_text_encoder(component: Component, device: torch.device, dtype: torch.d
     """Qwen2.5-VL built empty, loaded from its files under the module's key names (every key
     checked: a plain load of the saved names would load nothing and say nothing), frozen."""
     model = build_empty(component)
-    state = renamed_state(model, read_state(component.weights))
+    state = renamed_state(model, mapped_state(component.weights))
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -1,9 +1,13 @@
-"""The one reader of safetensors headers and shard indexes (JSON, never pickle): parse, sniff."""
+"""The one reader of safetensors headers and shard indexes (JSON, never pickle): parse, sniff;
+and of a local file's tensors, mapped from disk (torch and safetensors imported on that call)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+from splitstage.splitter import UserError
 
 _SIZE = 8  # the header starts with its byte length, little-endian u64
 
@@ -81,3 +85,27 @@ def canonical(data: bytes) -> bytes:
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # keep the data section 8-byte aligned
     return len(text).to_bytes(_SIZE, "little") + text + data[_SIZE + size :]
+
+
+def mapped_state(path: str | Path) -> dict[str, Any]:
+    """Every tensor of a local .safetensors file, or of the shards its .safetensors.index.json
+    lists, mapped copy-on-write from disk rather than read: a frozen model costs its pages in
+    the page cache, touched as it runs, and no anonymous copy. One line names a bad file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if is_index_path(str(path)):
+        try:
+            weight_map = index_weight_map(path.read_bytes())
+        except (OSError, ValueError) as error:
+            raise UserError(f"{path} {error}") from None
+        state: dict[str, Any] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(mapped_state(path.parent / shard))
+        return state
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UserError(f"{path}: not a readable safetensors file ({reason})") from None

@@ -38,7 +38,13 @@ from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.device import peak_memory_gib, pick_device, resident_mb, tensor_mb
+from splitstage.tasks.device import (
+    peak_memory_gib,
+    pick_device,
+    resident_mb,
+    steady_heap,
+    tensor_mb,
+)
 from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.pipeline import Stage1Pipeline
@@ -191,6 +197,7 @@ def _compute(plan, store, todo, report, progress, on_progress) -> None:
     models' own size, and its peaks (resident, and CUDA's allocator on a GPU)."""
     device = pick_device(plan.config.preprocess.device)
     family = plan.family
+    steady_heap()  # the encoders' transient CPU buffers go back to the system
     before = resident_mb()
     models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
     modules = [m for m in models.values() if isinstance(m, torch.nn.Module)]

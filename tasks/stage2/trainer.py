@@ -24,7 +24,7 @@ from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.batch_plan import Position
 from splitstage.tasks.cache.key_table import KeyTable
-from splitstage.tasks.device import peak_memory_gib, pick_dtype, resident_mb
+from splitstage.tasks.device import peak_memory_gib, pick_dtype, resident_mb, steady_heap
 from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -133,6 +133,7 @@ class Trainer:
     """The training loop of one rank; `run()` trains to the end and returns the figures."""
 
     def __init__(self, spec: dict[str, Any], plan: JobPlan | None = None):
+        steady_heap()  # a CPU step's transient buffers go back to the system
         self.baseline_rss_mb = resident_mb()  # after imports, before any model is built
         self.spec = spec
         self.config = SplitstageConfig.model_validate(spec["config"])

@@ -1,16 +1,24 @@
 """storage/safetensors_io.py: the one parser of safetensors header bytes agrees with safetensors'
-own reader, and bad bytes are one ValueError saying what is wrong."""
+own reader, and bad bytes are one ValueError saying what is wrong; `mapped_state` maps a file's
+tensors (no copy, copy-on-write) and names a bad file in one line."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, save
+from safetensors.torch import load, save, save_file
 
-from splitstage.storage.safetensors_io import canonical, read_header, read_metadata
+from splitstage.splitter import UserError
+from splitstage.storage.safetensors_io import (
+    canonical,
+    mapped_state,
+    read_header,
+    read_metadata,
+)
 
 
 def blob() -> bytes:
@@ -68,3 +76,47 @@ def test_metadata_that_is_not_an_object_is_refused():
     text = b'{"__metadata__":[1]}'
     with pytest.raises(ValueError, match="__metadata__ is a list, not an object"):
         read_metadata(len(text).to_bytes(8, "little") + text)
+
+
+def file_mappings(path) -> list[tuple[int, int, str]]:
+    """This process's mappings of `path` (start, end, permissions), from /proc/self/maps."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, end, fields[1]))
+    return found
+
+
+def test_mapped_state_maps_the_file_copy_on_write(tmp_path):
+    path = tmp_path / "model.safetensors"
+    weights = {"w": torch.randn(256, 256), "b": torch.arange(8, dtype=torch.int64)}
+    save_file(weights, str(path))
+    state = mapped_state(path)
+    assert set(state) == {"w", "b"}
+    for name, tensor in weights.items():
+        assert torch.equal(state[name], tensor)
+    mappings = file_mappings(path)
+    pointer = state["w"].data_ptr()
+    inside = [m for m in mappings if m[0] <= pointer < m[1]]
+    assert inside, "the tensor is a copy, not the file's mapping"
+    assert inside[0][2].endswith("p")  # private: a write stays in this process
+    state["w"].add_(1)  # a frozen model never writes; if one did, the file is untouched
+    assert torch.equal(mapped_state(path)["w"], weights["w"])
+
+
+def test_mapped_state_reads_every_shard_of_an_index(tmp_path):
+    save_file({"a": torch.ones(2)}, str(tmp_path / "m-1.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(tmp_path / "m-2.safetensors"))
+    index = {"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}
+    (tmp_path / "m.safetensors.index.json").write_text(json.dumps(index))
+    state = mapped_state(tmp_path / "m.safetensors.index.json")
+    assert {k: v.tolist() for k, v in state.items()} == {"a": [1.0, 1.0], "b": [0.0] * 3}
+
+
+def test_mapped_state_names_a_bad_file(tmp_path):
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(b"not safetensors at all")
+    with pytest.raises(UserError, match="broken.safetensors: not a readable safetensors file"):
+        mapped_state(path)
