@@ -1,7 +1,7 @@
 """splitstage's split training against DiffSynth-Studio's own, side by side on tiny Z-Image.
 
 Run: .venv/bin/python bench/bench_diffsynth_peer.py [--steps 8] [--repeats 2]
-     [--out /tmp/bench-diffsynth-peer]
+     [--out /tmp/bench-diffsynth-peer] [--stage1-sizes [--stage1-shape wide|deep]]
 
 Needs .venv/diffsynth. Same tiny Z-Image files and 8 digit images with prompts (bench_startup's
 write_assets; its metadata.csv is DiffSynth's image,prompt format), 32x32, batch 1, --steps updates,
@@ -228,18 +228,24 @@ COLUMNS = list(zip((KEYS + " s1_largest_mb s1_tree_mb updates").split(), TITLES.
 GOALS = {"rank_mb": 1.05, "first_update_s": 1.2}
 
 
-# 512 narrow layers: ~50M parameters in ~5,000 small tensors (model size without large
-# activations), written in bf16 (the pipeline's dtype), as a real text encoder's file is.
-LARGER = {"text_encoder": {"layers": 512, "intermediate_size": 1024}}
+# The larger text encoder of --stage1-sizes, ~50M parameters written in bf16 (the pipeline's
+# dtype, as a real encoder's file is). wide: 6 layers of width 1024, a real encoder's ratio of
+# activations to weights at 512 tokens (Qwen3-4B's is ~2%); deep: 512 layers of width 32 in
+# ~5,000 small tensors (per-module and per-tensor costs; each layer's activations are ~16x its
+# weights at this width). Stage 1 only: the DiT's cap_feat_dim stays 32.
+LARGER = {
+    "wide": {"text_encoder": {"layers": 6, "hidden_size": 1024, "intermediate_size": 2816}},
+    "deep": {"text_encoder": {"layers": 512, "intermediate_size": 1024}},
+}
 
 
-def with_larger_models(job: dict, folder: Path) -> dict:
-    """The job on tiny Z-Image files with a larger text encoder, in `folder` (all in bf16):
-    stage 1 loads and holds it."""
+def with_larger_models(job: dict, folder: Path, shape: str) -> dict:
+    """The job on tiny Z-Image files with a larger text encoder of `shape`, in `folder` (all in
+    bf16): stage 1 loads and holds it."""
     script = (
         "import json, sys, torch; from splitstage.tiny_diffsynth import write_tiny_models; "
         "print(json.dumps(write_tiny_models('ZImagePipeline', sys.argv[1], "
-        f"kwargs_of={LARGER!r}, dtype=torch.bfloat16)))"
+        f"kwargs_of={LARGER[shape]!r}, dtype=torch.bfloat16)))"
     )
     done = subprocess.run(
         [str(SIDE_PYTHON), "-c", script, str(folder)],
@@ -252,11 +258,12 @@ def with_larger_models(job: dict, folder: Path) -> dict:
     return job | {"pipeline": job["pipeline"] | info}
 
 
-def stage1_sizes(job: dict, out: Path, targets: str, repeats: int) -> None:
+def stage1_sizes(job: dict, out: Path, targets: str, repeats: int, shape: str) -> None:
     """Stage 1 of both tools at two text-encoder sizes: what each extra MB of stage-1 model costs
     at the peak (the goal: splitstage's peak <= its baseline + 1.05x the stage-1 models' own
     size, the baseline measured as the small run's peak less its models)."""
-    jobs = {"tiny": job, "larger": with_larger_models(job, out / "assets" / "zimage-larger")}
+    larger = with_larger_models(job, out / "assets" / f"zimage-{shape}", shape)
+    jobs = {"tiny": job, "larger": larger}
     peaks: dict[tuple[str, str], float] = {}
     models: dict[str, float] = {}
     for _ in range(repeats):
@@ -301,6 +308,12 @@ def main() -> None:
         "--stage1-sizes", action="store_true", help="only stage 1, at two text-encoder sizes"
     )
     parser.add_argument(
+        "--stage1-shape",
+        choices=tuple(LARGER),
+        default="wide",
+        help="--stage1-sizes' larger text encoder: wide (a real encoder's proportions) or deep",
+    )
+    parser.add_argument(
         "--trackers",
         choices=("none", "auto"),
         default="none",
@@ -315,7 +328,7 @@ def main() -> None:
 
     targets = ",".join(PIPELINES["ZImagePipeline"][1])  # splitstage's default LoRA targets
     if args.stage1_sizes:
-        stage1_sizes(job, args.out, targets, args.repeats)
+        stage1_sizes(job, args.out, targets, args.repeats, args.stage1_shape)
         return
     results: dict[str, dict] = {}
     for _ in range(args.repeats):  # tools interleaved: a busy box slows both alike

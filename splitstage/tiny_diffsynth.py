@@ -41,14 +41,21 @@ CHAT_TEMPLATE = (
 
 class TinyZImageTextEncoder(ZImageTextEncoder):
     """ZImageTextEncoder around a 2-layer Qwen3 of width 32 (hidden_states[-2] is read); more
-    layers or a wider MLP make a larger one of the same output (a memory bench's)."""
+    layers, a wider MLP or a wider model make a larger one (a stage-1 memory bench's; a width
+    other than the DiT's cap_feat_dim serves stage 1 only)."""
 
-    def __init__(self, vocab_size: int = 300, layers: int = 2, intermediate_size: int = 64):
+    def __init__(
+        self,
+        vocab_size: int = 300,
+        layers: int = 2,
+        intermediate_size: int = 64,
+        hidden_size: int = TEXT_DIM,
+    ):
         torch.nn.Module.__init__(self)
         from transformers import Qwen3Config, Qwen3Model
 
         config = Qwen3Config(
-            hidden_size=TEXT_DIM,
+            hidden_size=hidden_size,
             intermediate_size=intermediate_size,
             num_hidden_layers=layers,
             num_attention_heads=2,
