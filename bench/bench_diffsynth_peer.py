@@ -228,24 +228,32 @@ COLUMNS = list(zip((KEYS + " s1_largest_mb s1_tree_mb updates").split(), TITLES.
 GOALS = {"rank_mb": 1.05, "first_update_s": 1.2}
 
 
-# The larger text encoder of --stage1-sizes, ~50M parameters written in bf16 (the pipeline's
-# dtype, as a real encoder's file is). wide: 6 layers of width 1024, a real encoder's ratio of
-# activations to weights at 512 tokens (Qwen3-4B's is ~2%); deep: 512 layers of width 32 in
-# ~5,000 small tensors (per-module and per-tensor costs; each layer's activations are ~16x its
-# weights at this width). Stage 1 only: the DiT's cap_feat_dim stays 32.
+# The larger text encoders of --stage1-sizes, written in bf16 (the pipeline's dtype, as a real
+# encoder's file is), in two sizes of one shape: the second adds only layers, so what its peak
+# adds per MB of model is the model's own cost (the goal's 1.05), and the first's peak less its
+# models is the fixed cost at that width (the process, and a forward's transient activations,
+# which grow with width and tokens, not with depth). wide: Z-Image's text encoder's own layer
+# widths (Qwen3-4B: hidden 2560, MLP 9728; tiny attention), 1 and 2 layers (~150 and ~300 MB):
+# its ratio of kept hidden states to weights at 512 tokens (~1.8%) is the real one. deep: width
+# 32, 256 and 512 layers in thousands of small tensors (per-module and per-tensor costs; at this
+# width each layer's hidden state is ~5% of its weights and its transients ~16x). Stage 1
+# only: the DiT's cap_feat_dim stays 32.
 LARGER = {
-    "wide": {"text_encoder": {"layers": 6, "hidden_size": 1024, "intermediate_size": 2816}},
-    "deep": {"text_encoder": {"layers": 512, "intermediate_size": 1024}},
+    "wide": [
+        {"text_encoder": {"layers": n, "hidden_size": 2560, "intermediate_size": 9728}}
+        for n in (1, 2)
+    ],
+    "deep": [{"text_encoder": {"layers": n, "intermediate_size": 1024}} for n in (256, 512)],
 }
 
 
-def with_larger_models(job: dict, folder: Path, shape: str) -> dict:
-    """The job on tiny Z-Image files with a larger text encoder of `shape`, in `folder` (all in
-    bf16): stage 1 loads and holds it."""
+def with_larger_models(job: dict, folder: Path, kwargs_of: dict) -> dict:
+    """The job on tiny Z-Image files with a larger text encoder (`kwargs_of` its constructor
+    arguments), in `folder` (all in bf16): stage 1 loads and holds it."""
     script = (
         "import json, sys, torch; from splitstage.tiny_diffsynth import write_tiny_models; "
         "print(json.dumps(write_tiny_models('ZImagePipeline', sys.argv[1], "
-        f"kwargs_of={LARGER[shape]!r}, dtype=torch.bfloat16)))"
+        f"kwargs_of={kwargs_of!r}, dtype=torch.bfloat16)))"
     )
     done = subprocess.run(
         [str(SIDE_PYTHON), "-c", script, str(folder)],
@@ -259,11 +267,15 @@ def with_larger_models(job: dict, folder: Path, shape: str) -> dict:
 
 
 def stage1_sizes(job: dict, out: Path, targets: str, repeats: int, shape: str) -> None:
-    """Stage 1 of both tools at two text-encoder sizes: what each extra MB of stage-1 model costs
-    at the peak (the goal: splitstage's peak <= its baseline + 1.05x the stage-1 models' own
-    size, the baseline measured as the small run's peak less its models)."""
-    larger = with_larger_models(job, out / "assets" / f"zimage-{shape}", shape)
-    jobs = {"tiny": job, "larger": larger}
+    """Stage 1 of both tools with the tiny files and two larger text encoders of one shape: what
+    each extra MB of stage-1 model costs at the peak. The goal: splitstage's peak <= a fixed
+    baseline + 1.05x the stage-1 models' own size, the baseline being the first larger run's
+    peak less its models (the process and the forward at that width)."""
+    jobs = {"tiny": job}
+    for i, kwargs_of in enumerate(LARGER[shape], 1):
+        jobs[f"{shape}{i}"] = with_larger_models(
+            job, out / "assets" / f"zimage-{shape}{i}", kwargs_of
+        )
     peaks: dict[tuple[str, str], float] = {}
     models: dict[str, float] = {}
     for _ in range(repeats):
@@ -279,23 +291,27 @@ def stage1_sizes(job: dict, out: Path, targets: str, repeats: int, shape: str) -
                 key = (tool, size)
                 peaks[key] = min(peaks.get(key, math.inf), row["largest_rss"])
                 print(tool, size, f"{row['largest_rss']:.0f} MB", flush=True)
-    grown = models["larger"] - models["tiny"]
+    sizes = list(jobs)
     print(
-        f"\nstage 1, largest process peak RSS (MB); stage-1 models' own size (splitstage's "
-        f"report): tiny {models['tiny']:.1f} MB, larger {models['larger']:.1f} MB"
+        "\nstage 1, largest process peak RSS (MB); stage-1 models' own size (splitstage's "
+        "report): " + ", ".join(f"{size} {models[size]:.1f} MB" for size in sizes)
     )
     for tool in ("splitstage", "diffsynth"):
-        small, large = peaks[(tool, "tiny")], peaks[(tool, "larger")]
-        print(
-            f"  {tool:<11} tiny {small:6.0f}  larger {large:6.0f}  per model MB "
-            f"{(large - small) / grown:5.2f}"
-        )
-    base = peaks[("splitstage", "tiny")] - models["tiny"]
-    bound = base + 1.05 * models["larger"]
-    peak = peaks[("splitstage", "larger")]
+        steps = [
+            f"{a}->{b} {(peaks[(tool, b)] - peaks[(tool, a)]) / (models[b] - models[a]):5.2f}"
+            for a, b in zip(sizes, sizes[1:])
+        ]
+        cells = "  ".join(f"{size} {peaks[(tool, size)]:6.0f}" for size in sizes)
+        print(f"  {tool:<11} {cells}   per model MB: {'  '.join(steps)}")
+    first, last = sizes[1], sizes[-1]
+    base = peaks[("splitstage", first)] - models[first]
+    bound = base + 1.05 * models[last]
+    peak = peaks[("splitstage", last)]
+    forward = base - (peaks[("splitstage", "tiny")] - models["tiny"])
     print(
-        f"splitstage: peak {peak:.0f} MB with the larger models; baseline {base:.0f} MB + 1.05 x "
-        f"{models['larger']:.0f} MB = {bound:.0f} MB: {'met' if peak <= bound else 'NO'}"
+        f"splitstage: peak {peak:.0f} MB at {last}; fixed baseline {base:.0f} MB ({first}'s peak "
+        f"less its models; {forward:+.0f} MB over the tiny run's: the forward at this width) + "
+        f"1.05 x {models[last]:.0f} MB = {bound:.0f} MB: {'met' if peak <= bound else 'NO'}"
     )
 
 
