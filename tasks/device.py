@@ -50,8 +50,8 @@ def steady_heap() -> bool:
     """Fix glibc's mmap threshold at its initial 128 KiB, as MALLOC_MMAP_THRESHOLD_ would: left
     dynamic, it rises to the largest block freed, and a CPU forward's transient buffers then
     stay in the heap between the tensors it keeps (a 99 MB text encoder's first CPU forward
-    held +540 MB; fixed, +50 MB: docs/benchmarks.md). False where it was not set: not glibc, or the
-    user chose a threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES)."""
+    held +540 MB; fixed, +50 MB: docs/benchmarks.md). False where it was not set: not glibc,
+    or the user chose a threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES)."""
     chosen = os.environ.get("MALLOC_MMAP_THRESHOLD_") or "mmap_threshold" in os.environ.get(
         "GLIBC_TUNABLES", ""
     )

@@ -5,8 +5,8 @@ MODEL_CONFIGS entries, and the pipeline's `from_pretrained` fetches them into sl
 runs that `from_pretrained` over models built on the meta device (headers read, no weights), so
 `validate`, preflight and stage 2 know every slot's file and class for free, and a stage holds
 those meta models as stand-ins for the slots it does not load; `load_slot` then loads exactly
-one slot's model with DiffSynth's own loader, its file and its entry only, the
-file's tensors mapped from disk rather than copied (DiffSynth's DiskMap clones every tensor).
+one slot's model with DiffSynth's own loader, its file and its entry only, the file's tensors
+mapped from disk rather than copied (DiffSynth's DiskMap clones every tensor).
 """
 
 from __future__ import annotations
