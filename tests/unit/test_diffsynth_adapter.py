@@ -131,3 +131,21 @@ def test_malformed_unit_fields_name_the_unit():
     source.units[1].output_params = 5
     with pytest.raises(PipelineSpecError, match="QwenImageUnit_NoiseInitializer', field 'output_"):
         pipeline_from_diffsynth(source)
+
+
+def test_unit_values_the_cache_cannot_hold_are_refused_by_name():
+    """A value with tensors nested in lists or dicts (Z-Image Omni-Base's prompt segments) is one
+    line naming the unit and param; one sample's list of tensors is stacked; JSON passes."""
+    import torch
+
+    from splitstage.pipelines.diffsynth.pipeline_units import encode
+    from splitstage.pipelines.runtime import UnitRunError
+
+    lists = frozenset({"prompt_embeds"})
+    stacked = encode("prompt_embeds", [torch.ones(2, 3)], "Embedder", lists)
+    assert stacked.shape == (1, 2, 3)
+    assert encode("size", {"h": [32, 32]}, "Shape", lists) == {"h": [32, 32]}
+    nested = [[torch.ones(2, 3), torch.ones(4, 3)]]
+    for value in (nested, {"a": torch.ones(1)}, ("x", [torch.ones(1)])):
+        with pytest.raises(UnitRunError, match="unit 'Embedder' wrote 'prompt_embeds' as tensors"):
+            encode("prompt_embeds", value, "Embedder", lists)
