@@ -13,7 +13,7 @@ import pytest
 # A forward's pattern: a large block freed (glibc's dynamic threshold rises past 1 MiB), then
 # per layer a 1 MiB transient freed and a small tensor kept (hidden states), 200 layers.
 PATTERN = """
-import sys, torch
+import torch
 from splitstage.tasks.device import resident_mb, steady_heap
 print(steady_heap())
 big = torch.ones(8 * 2**20, dtype=torch.uint8)
@@ -26,6 +26,8 @@ for _ in range(200):
 print(resident_mb() - before)
 """
 
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")  # this shell's, not the test's
+
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
     reason="glibc's malloc only",
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 
 def run_pattern(**env: str) -> tuple[str, float]:
     """steady_heap's answer and the pattern's resident growth in MiB, in a fresh process."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_",)}
+    clean = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
     done = subprocess.run(
         [sys.executable, "-c", PATTERN],
         env={**clean, **env},
