@@ -119,6 +119,25 @@ def close_distributed(barrier: bool = False) -> None:
         dist.destroy_process_group()
 
 
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """`data` from rank `src` to every rank of the default group (raw bytes in a uint8 tensor:
+    no pickle); returned unchanged when there is no group of more than one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return data or b""
+    device = comm_device()
+    size = torch.tensor([len(data or b"")], dtype=torch.int64, device=device)
+    dist.broadcast(size, src)
+    if not size.item():
+        return b""
+    if dist.get_rank() == src:
+        assert data is not None
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src)
+        return data
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src)
+    return buffer.cpu().numpy().tobytes()
+
+
 def comm_device() -> torch.device:
     """The device collectives of the default group need: the current accelerator for nccl."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

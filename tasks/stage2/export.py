@@ -16,7 +16,7 @@ from splitstage.storage.files import ensure_folder, join, open_fs, storage_error
 from splitstage.storage.safetensors_io import read_header
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.models import LORA_ADAPTER, Stage2Models
-from splitstage.tasks.stage2.outputs import output_storage_options
+from splitstage.tasks.stage2.outputs import RunPlaces
 from splitstage.tasks.stage2.resume import IDENTITY, export_metadata
 
 
@@ -70,7 +70,8 @@ def trained_state(stage2: Stage2Models) -> dict[str, dict[str, torch.Tensor]]:
 def export_weights(
     family: Family,
     stage2: Stage2Models,
-    spec: dict[str, Any],
+    places: RunPlaces,
+    settings: dict[str, Any],
     states: dict[str, dict[str, torch.Tensor]] | None = None,
     steps: int = 0,
     suffix: str = "",
@@ -81,12 +82,9 @@ def export_weights(
     states = trained_state(stage2) if states is None else states
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
-    url = spec["output_url"]
-    key = "output_storage_options"  # resolved once by the launcher (run_paths) into the spec
-    options = spec[key] if key in spec else output_storage_options(family.config, url)
+    url, options = places.output_url, places.output_storage_options  # resolved once
     fs, root = open_fs(url, options)
     ensure_folder(fs, root, url, field="output.url")  # never creates a bucket
-    settings = spec.get("settings") or {}
     request = request_for(stage2.lora, family, steps, settings.get("lora_targets"))
     base = export_metadata(settings.get(IDENTITY))
     written = {}

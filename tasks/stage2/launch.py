@@ -1,8 +1,12 @@
-"""Stage 2 launch: write the run spec, start torchrun (1..N nodes), stream output, report.
+"""Stage 2 launch: hold the run, write its spec, start torchrun (1..N nodes), stream, report.
 
-This process stays alive for the whole run (leases, torchrun's output, Ctrl-C, errors), so it
-stays lean: the plan and the preflight checks, which import torch and the family and build meta
-models, run once in a short-lived child (`prepare_child`), before any lease is taken.
+One road for every job: this launcher, then torchrun's agent and its ranks (a job of one process
+runs its rank directly, without the agent: `torchrun.py`). The launcher stays alive for the whole
+run (leases, torchrun's output, Ctrl-C, errors), so it stays lean: configs and storage only, no
+torch, no family. It checks what it can that way (the config, the run's places, that the outputs
+can be written), holds the run's lease, and hands the ranks a typed `RunSpec`; each rank plans
+once and rank 0 runs the heavy checks before any weight loads (`rank_setup.py`), leaving a
+refusal's one line in the run folder, which this launcher raises again as the same error.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,15 +24,11 @@ from typing import Any
 from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segment
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.lease import RunLease
-from splitstage.tasks.stage2.outputs import (
-    ERROR_FILE,
-    URL_KEYS,
-    deleted_place,
-    leased_places,
-    options_for,
-)
-from splitstage.tasks.stage2.prepare_child import WORKER_MODULE, prepare_in_child
+from splitstage.tasks.stage2.outputs import ERROR_FILE, SET_UP, RunPlaces, check_outputs, run_places
+from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
 from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
+
+WORKER_MODULE = "splitstage.tasks.stage2.worker"
 
 LEASE_TTL_S = float(os.environ.get("SPLITSTAGE_LEASE_TTL", "60"))  # a dead holder blocks this long
 
@@ -71,41 +71,16 @@ class TrainReport:
         return asdict(self)
 
 
-def write_spec(
-    config: SplitstageConfig,
-    run_id: str,
-    cache_key: str | None,
-    run_dir: Path,
-    paths: dict[str, str],
-    checks: Any = None,
-    split: dict[str, Any] | None = None,
-    holds_lease: bool = True,
-) -> Path:
-    """The JSON every rank reads (no pickle): config, cache key, where to write, what to train,
-    and the launcher's split (`split`), which each rank's own plan must equal. `checks` is a
-    `Preflight` or the set-up child's `Prepared` (settings, and samples that `save` to a path)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    samples_file = None
-    if checks is not None and checks.samples is not None:  # compact: 32 bytes a sample key
-        samples_file = str((run_dir / "samples.safetensors").resolve())
-        checks.samples.save(samples_file)
-    spec = {
-        "config": config.model_dump(mode="json"),
-        "cache_key": cache_key,
-        "run_id": run_id,
-        **paths,
-        "run_dir": str(run_dir.resolve()),
-        # Checkpoints and outputs on object storage use the cache's endpoint options and, on
-        # its store, its credentials block by name (each rank reads it): never a secret. Both
-        # come in `paths` (run_paths resolved them once).
-        "settings": checks.settings if checks is not None else None,
-        "samples_file": samples_file,
-        "split": split,
-        "holds_lease": holds_lease,  # node 0's launcher holds the run's lease; others do not
-    }
-    path = run_dir / "spec.json"
-    path.write_text(json.dumps(spec, indent=2))
-    return path
+def prefect_api_env() -> dict[str, str]:
+    """The Prefect API this process talks to when it is set in-process only (a flow, a test
+    harness), so the ranks read credentials blocks where the launcher would."""
+    settings = sys.modules.get("prefect.settings")  # never imported here for this
+    if settings is None or "PREFECT_API_URL" in os.environ:
+        return {}
+    with contextlib.suppress(Exception):
+        if url := settings.PREFECT_API_URL.value():
+            return {"PREFECT_API_URL": str(url)}
+    return {}
 
 
 def torchrun_spec(
@@ -128,7 +103,11 @@ def torchrun_spec(
         max_restarts=train.max_restarts,
         # torchrun sets one OpenMP thread per worker only when nproc_per_node > 1; a single
         # worker with one thread per core fights the data prefetch thread (2-5 s/update vs 0.2 s).
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
+        env={
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            **prefect_api_env(),
+            **(env or {}),
+        },
     )
 
 
@@ -147,13 +126,32 @@ class TrainingStoppedError(UserError, RuntimeError):
     """A training rank refused to go on (a diverged loss, a config the checkpoint cannot take)."""
 
 
-def rank_error(run_dir: Path) -> str | None:
-    """The one-line reason a rank wrote before exiting on bad input, if any."""
-    path = run_dir / ERROR_FILE
+def rank_error(run_dir: Path) -> dict[str, Any] | None:
+    """What a rank left before exiting on bad input (its one-line `message`; a refusal before
+    training also its `phase` and error `classes`), if anything."""
     try:
-        return json.loads(path.read_text())["message"]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads((run_dir / ERROR_FILE).read_text())
+    except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) and "message" in record else None
+
+
+def user_error(message: str, classes: list[list[str]]) -> UserError:
+    """`message` as the rank's error class, or the nearest base of it this process has
+    imported (never importing one: that could be torch), down to `UserError`."""
+    for module_name, qualname in classes:
+        found: Any = sys.modules.get(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if not (isinstance(found, type) and issubclass(found, UserError)):
+            continue
+        try:
+            error = found(message)
+        except Exception:  # a class that takes other arguments: try its base
+            continue
+        if str(error) == message:
+            return error
+    return UserError(message)
 
 
 def train(
@@ -176,37 +174,15 @@ def train(
         )
     say = on_line or print
     cancel = cancel or threading.Event()
+    places = run_places(config, run_id, run_root or scratch_root(config))
+    check_outputs(places)  # before the lease: a read-only output is refused, nothing held
+    run_dir = Path(places.run_dir)
     with contextlib.ExitStack() as held:
-        staging = tempfile.TemporaryDirectory(prefix="splitstage-run-")
-        held.callback(staging.cleanup)
-        root = run_root or scratch_root(config)
-        rank = torchrun_spec(config, None, node_rank, env)
-        one_process = None if rank.uses_agent else rank  # the set-up child becomes the rank
-        prepared = prepare_in_child(
-            config, run_id, root, Path(staging.name), cancel, rank=one_process, on_line=say
-        )
-        if prepared.rank is not None:
-            held.callback(prepared.rank.stop)  # stopped unless it trained (then a no-op)
-        for warning in prepared.warnings:
-            say(f"warning: {warning}")
-        for note in prepared.notes:
-            say(note)
-        paths = prepared.paths
-        run_dir = Path(paths["run_dir"])
-        leases = [] if node_rank else hold_leases(config, paths, cancel, held)
-        spec_path = write_spec(
-            config,
-            run_id,
-            prepared.cache_key,
-            run_dir,
-            paths,
-            prepared,
-            split=prepared.split,
-            holds_lease=bool(leases),
-        )
-        staging.cleanup()  # the child's request and reply: not kept for the whole run
+        leases = [] if node_rank else hold_leases(places, cancel, held)
         for name in ("result.json", ERROR_FILE):  # metrics.jsonl is the run's record: kept
             (run_dir / name).unlink(missing_ok=True)
+        spec = RunSpec(config=config, run_id=run_id, places=places, holds_lease=bool(leases))
+        spec_path = spec.write(run_dir / SPEC_FILE)
         try:
             run_torchrun(
                 torchrun_spec(config, spec_path, node_rank, env),
@@ -214,7 +190,6 @@ def train(
                 on_line=say,
                 cancel=cancel,
                 check=True,
-                started=prepared.rank,
             )
         except TorchrunError:
             lost = next((lease.lost for lease in leases if lease.lost), None)
@@ -225,35 +200,43 @@ def train(
                 message = f"training stopped: the run's lease was lost ({lost})"
                 raise TrainingStoppedError(message) from None
             else:
-                reason = rank_error(run_dir)
-                gone = deleted_place(paths, bool(leases)) if reason is None else None
-                if gone:  # its error.json went with it
-                    reason = f"the folder {gone} was deleted while training"
-                if reason is None:
-                    raise
-                raise TrainingStoppedError(f"training stopped: {reason}") from None
+                raise_rank_error(run_dir, places, bool(leases))
     result_file = run_dir / "result.json"
     figures = json.loads(result_file.read_text()) if result_file.is_file() else {}
-    return TrainReport(
-        run_id=run_id, run_dir=str(run_dir), **paths_without_run_dir(paths), **figures
-    )
+    return TrainReport(run_id=run_id, run_dir=str(run_dir), **places.urls(), **figures)
 
 
-def hold_leases(
-    config: SplitstageConfig, paths: dict[str, str], cancel: threading.Event, held
-) -> list[RunLease]:
+def raise_rank_error(run_dir: Path, places: RunPlaces, lease_held_here: bool) -> None:
+    """Raise what stopped the ranks as one line: a refusal before training as the error it was
+    (the same class, or its nearest imported base), a later stop on bad input as
+    TrainingStoppedError; else the TorchrunError being handled."""
+    record = rank_error(run_dir)
+    if record is not None and record.get("phase") == SET_UP:
+        if isinstance(failed := record.get("os"), dict):  # the CLI names its cause and path
+            raise OSError(failed["errno"], failed["strerror"], failed["filename"]) from None
+        raise user_error(record["message"], record.get("classes") or []) from None
+    reason = None if record is None else record["message"]
+    gone = places.deleted(lease_held_here) if reason is None else None
+    if gone:  # its error.json went with it
+        reason = f"the folder {gone} was deleted while training"
+    if reason is None:
+        raise  # noqa: PLE0704 - the TorchrunError being handled
+    raise TrainingStoppedError(f"training stopped: {reason}") from None
+
+
+def hold_leases(places: RunPlaces, cancel: threading.Event, held) -> list[RunLease]:
     """Hold the run (its output folder, and a checkpoint URL outside it) against a second
     `train` of the same run; losing the lease cancels this one."""
     return [
         held.enter_context(
             RunLease(
-                paths[key],
-                options_for(paths, key),
+                places.url(key),
+                places.options(key),
                 ttl=LEASE_TTL_S,
                 on_lost=lambda reason: cancel.set(),
             )
         )
-        for key in leased_places(paths)
+        for key in places.leased()
     ]
 
 
@@ -265,8 +248,3 @@ def check_run_id(run_id: str) -> str:
         except ValueError as error:
             raise ConfigError(f"run id {run_id!r}: {error}") from None
     return run_id
-
-
-def paths_without_run_dir(paths: dict) -> dict[str, str]:
-    """Output and checkpoint URLs."""
-    return {key: paths[key] for key in URL_KEYS}

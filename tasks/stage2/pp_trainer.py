@@ -34,11 +34,11 @@ from splitstage.splitter import (
     layout_from_fqns,
     validate_stages,
 )
-from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, adapt_trained
 from splitstage.tasks.stage2.optimization import TrainedAverage
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
+from splitstage.tasks.stage2.rank_setup import RankSetup
 from splitstage.tasks.stage2.trainer import Trainer, require_finite, to_device
 
 STAGES = "train.nnodes * train.nproc_per_node"
@@ -115,8 +115,8 @@ def check_pp_config(config: SplitstageConfig) -> list[list[str]]:
 class PipelineTrainer(Trainer):
     """The training loop of one pipeline stage: Trainer's loop, with PP model, step and export."""
 
-    def __init__(self, spec: dict[str, Any], plan: JobPlan | None = None):
-        super().__init__(spec, plan)
+    def __init__(self, setup: RankSetup):
+        super().__init__(setup)
         train = self.config.train
         self.stage = PipelineStage(
             self.stage2.models[self.family.denoiser],
@@ -257,7 +257,8 @@ class PipelineTrainer(Trainer):
             return export_weights(
                 self.family,
                 self.stage2,
-                self.spec,
+                self.places,
+                self.settings,
                 states={denoiser: states},
                 steps=self.total_updates,
                 suffix=suffix,

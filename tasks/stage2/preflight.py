@@ -1,20 +1,19 @@
-"""Everything knowable before launch, checked before launch: one line naming the field and the fix.
+"""Everything knowable before training, checked before any weight loads: one line naming the
+field and the fix.
 
-`preflight` runs before any torchrun process starts, in the launcher's short-lived set-up child
-(`tasks/stage2/prepare.py`, so the launcher itself imports no torch) and in `splitstage validate`:
-the mesh, the models and their weights files, what is trained and how, whether the cache holds
-exactly the data set, whether the batches fit it, whether the outputs can be written, and whether
-a checkpoint to resume from was made with compatible settings. Findings that are not errors come
-back as warnings, which the caller prints.
+`preflight` runs on rank 0 of a `train` run before any model is loaded or the cache is read for
+training (`tasks/stage2/rank_setup.py`, which says a refusal once for all ranks), and in
+`splitstage validate`: the mesh, the models and their weights files, what is trained and how,
+whether the cache holds exactly the data set, whether the batches fit it, and whether a
+checkpoint to resume from was made with compatible settings. Whether the outputs can be written
+is checked by the launcher before it takes the run's lease (`outputs.check_outputs`). Findings
+that are not errors come back as warnings, which the caller prints.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +21,7 @@ import torch
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.data.index import DataIndex, index_data_set
 from splitstage.splitter import UserError
-from splitstage.storage.files import StorageError, join, open_fs, write_atomic
-from splitstage.tasks.cache.batch_plan import plan_epoch
+from splitstage.tasks.stage2.batch_plan import plan_epoch
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.job_plan import JobPlan
@@ -32,7 +30,7 @@ from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBa
 from splitstage.tasks.stage2.export import check_export
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode
 from splitstage.tasks.stage2.optimization import check_update_rule
-from splitstage.tasks.stage2.outputs import options_for
+from splitstage.tasks.stage2.outputs import RunPlaces
 from splitstage.tasks.stage2.pretrained_weights import WeightsError, check_weights_file
 from splitstage.tasks.stage2.resume import (
     IDENTITY,
@@ -43,8 +41,6 @@ from splitstage.tasks.stage2.resume import (
 )
 from splitstage.tasks.stage2.tracking import tracker_names
 from splitstage.tasks.stage2.validation import check_validation_sizes
-
-RUN_PATHS = {"output_url": "output.url", "checkpoint_url": "train.checkpoint_url"}
 
 
 class StaleCacheError(UserError, RuntimeError):
@@ -293,57 +289,12 @@ def _largest(fits, upper: int) -> int:
     return low
 
 
-def check_outputs(config: SplitstageConfig, paths: dict[str, str]) -> None:
-    """Outputs, checkpoints and the scratch folder can be written by the training processes."""
-    for key, field_name in RUN_PATHS.items():
-        url = paths[key]
-        if url.startswith("memory://"):
-            raise ConfigError(
-                f"{field_name}: memory:// would keep the run's files inside the training "
-                "processes, lost when they end; use a local folder or object storage"
-            )
-        probe_writable(url, field_name, options_for(paths, key))
-    scratch = Path(paths["run_dir"])
-    try:
-        scratch.mkdir(parents=True, exist_ok=True)
-        probe = scratch / f".write-probe-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(
-            f"train.scratch_dir: cannot write the run folder {scratch} ({error.strerror}); "
-            "point train.scratch_dir at a writable folder"
-        ) from None
-
-
-def probe_writable(url: str, field_name: str, options: dict[str, Any] | None) -> None:
-    """Write and delete a probe object under `url` (opened with its resolved `options`): a
-    read-only target fails now, not later."""
-    fs, root = open_fs(url, options)
-    probe = join(root, f".write-probe-{uuid.uuid4().hex}")
-    try:
-        if "://" not in url or url.startswith("file://"):
-            os.makedirs(root, exist_ok=True)
-        write_atomic(fs, probe, b"")
-        fs.rm(probe)
-    except StorageError as error:
-        raise ConfigError(f"{field_name}: {error}") from None
-    except OSError as error:
-        raise ConfigError(
-            f"{field_name}: cannot write under {url} ({error.strerror or error}); make it "
-            "writable or point the field at a writable folder or bucket"
-        ) from None
-
-
-def saved_checkpoint(paths: dict) -> tuple[int, str, dict | None] | None:
+def saved_checkpoint(places: RunPlaces) -> tuple[int, str, dict | None] | None:
     """(step, checkpoint URL, its recorded settings) of the run's latest checkpoint, or None:
     what the resume checks compare against (listed and read once per launch)."""
     from splitstage.tasks.stage2.checkpoint import latest_checkpoint, read_extra_state  # DCP
 
-    url = paths.get("checkpoint_url")
-    if not url:  # no run folder named (a check of the config alone)
-        return None
-    options = options_for(paths, "checkpoint_url")
+    url, options = places.checkpoint_url, places.checkpoint_storage_options
     step = latest_checkpoint(url, storage_options=options, clean=False)
     if step is None:
         return None
@@ -361,9 +312,10 @@ def precision_warnings(config: SplitstageConfig) -> list[str]:
     return []
 
 
-def preflight(plan: JobPlan, paths: dict[str, str] | None = None) -> Preflight:
-    """Every check before `train`; `paths` (from `run_paths`) adds the output, scratch and resume
-    checks. Without `paths` (`splitstage validate`) a cache that is not ready is a warning."""
+def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
+    """Every check a rank makes before training (rank 0, before any weight loads); `places`
+    (the run's) adds the resume checks. Without `places` (`splitstage validate`) a cache that is
+    not ready is a warning. The outputs' checks run in the launcher (`outputs.check_outputs`)."""
     config = plan.config
     result = Preflight()
     check_layout(config)
@@ -374,8 +326,8 @@ def preflight(plan: JobPlan, paths: dict[str, str] | None = None) -> Preflight:
     check_gradient_checkpointing(plan)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
-    saved = saved_checkpoint(paths) if paths is not None else None  # listed and read once
-    if paths is not None:  # recorded in each checkpoint: a resume on another base is refused
+    saved = saved_checkpoint(places) if places is not None else None  # listed and read once
+    if places is not None:  # recorded in each checkpoint: a resume on another base is refused
         result.settings[IDENTITY] = identity = run_identity(plan)
         if saved is not None:
             step, url, settings = saved
@@ -386,7 +338,7 @@ def preflight(plan: JobPlan, paths: dict[str, str] | None = None) -> Preflight:
     try:
         check_cache(plan, data, result)
     except StaleCacheError as error:
-        if paths is not None:
+        if places is not None:
             raise
         result.warnings.append(f"train would refuse now: {error}")
         result.sample_count = len(data.keys)
@@ -398,11 +350,9 @@ def preflight(plan: JobPlan, paths: dict[str, str] | None = None) -> Preflight:
             result.warnings.append(source.tail_line())  # what the trainer logs, before it starts
         else:
             result.notes.append(grouping_line(source))
-    check_validation(plan, result, strict=paths is not None)
+    check_validation(plan, result, strict=places is not None)
     tracker_names(config)  # an explicitly named tracker that is not installed
     result.warnings += precision_warnings(config)
-    if paths is not None:
-        check_outputs(config, paths)
     if saved is not None:  # a resume continues exactly, or says what changed
         step, url, settings = saved
         result.warnings += compare(settings, result.settings, step=step, checkpoint_url=url)

@@ -320,54 +320,21 @@ class Started:
     rank_dir: str | None
     known: dict[int, float]
 
-    told: bool = False  # whether `go` ran: until then it has run nothing of the job's
 
-    def go(self, args: Sequence[str]) -> None:
-        """Tell a process that waits on its stdin (`worker --set-up-first`) what to run."""
-        self.told = True
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):  # gone already: its exit status says why
-                self.proc.stdin.write(json.dumps([str(a) for a in args]) + "\n")
-                self.proc.stdin.close()
-
-    def stop(self, grace: float = 5.0) -> None:
-        """End it unused (a waiting process gets EOF first), with anything it started."""
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=0.5)
-        kill_tree(self.proc.pid, self.known, grace)
-        self.proc.wait()
-        if self.own_logs and not self.told:  # logs of a job that never ran: nothing to keep
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-
-
-def start(
-    spec: TorchrunSpec,
-    *,
-    log_dir: str | None = None,
-    command: Sequence[str] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> Started:
+def start(spec: TorchrunSpec, *, log_dir: str | None = None) -> Started:
     """Start `spec` with its output pumped: torchrun's agent, or a one-process job's rank
-    directly; `command` (with stdin open, see `Started.go`) replaces the rank's own command
-    line, for a process that becomes the rank later (`worker --set-up-first`)."""
+    directly."""
     own_logs = log_dir is None
     log_dir = tempfile.mkdtemp(prefix="splitstage-torchrun-") if own_logs else log_dir
     os.makedirs(log_dir, exist_ok=True)
-    base = os.environ if env is None else env
-    env = {**base, **{k: str(v) for k, v in spec.env.items()}, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **{k: str(v) for k, v in spec.env.items()}, "PYTHONUNBUFFERED": "1"}
     rank_dir = None if spec.uses_agent else os.path.join(log_dir, *ONE_RANK_LOGS)
     if rank_dir is not None:
         env = one_rank_env(env, rank_dir)
-    elif command is not None:
-        raise ValueError("only a one-process job's rank can be started from another command")
-    waits = command is not None  # told what to run on its stdin, later
-    command = list(command) if waits else build_command(spec, log_dir=log_dir)
+    command = build_command(spec, log_dir=log_dir)
     proc = subprocess.Popen(
         dies_with_this_process(command),
-        stdin=subprocess.PIPE if waits else subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if rank_dir is None else subprocess.PIPE,
         env=env,
@@ -401,21 +368,16 @@ def run_torchrun(
     check: bool = False,
     grace: float = 5.0,
     tail_lines: int = 200,
-    started: Started | None = None,
 ) -> TorchrunResult:
     """Run one torchrun agent to the end, streaming its combined output to `on_line`.
 
     `on_line` runs in the calling thread; an exception from it cancels the run and propagates.
     `timeout`/`cancel` end the process tree and mark the result. `check=True` raises
     TorchrunError when the run did not succeed. Per-rank logs go to `log_dir` (a temporary
-    directory, deleted after a success, when not given). `started`: a one-process job's rank
-    already running and waiting to be told `spec.args` (`start`, `Started.go`).
+    directory, deleted after a success, when not given).
     """
     clock = time.monotonic()
-    if started is None:
-        started = start(spec, log_dir=log_dir)
-    else:
-        started.go(spec.args)
+    started = start(spec, log_dir=log_dir)
     proc, lines, readers, known = started.proc, started.lines, started.readers, started.known
     log_dir, own_logs, rank_dir, command = (
         started.log_dir,
