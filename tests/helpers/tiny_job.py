@@ -8,6 +8,9 @@ from splitstage.config.job import SplitstageConfig, config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.outputs import run_places
+from splitstage.tasks.stage2.rank_setup import RankSetup, set_up_rank
+from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
 
 
 def tiny_config(root: Path, name: str, seed: int, **train) -> SplitstageConfig:
@@ -37,3 +40,12 @@ def make_workspace(root: Path, samples: int, seed: int) -> Path:
     build_demo_weights(root / "weights")
     preprocess(tiny_config(root, "prep", seed), workers=1, progress=False)
     return root
+
+
+def one_rank_setup(config: SplitstageConfig, run_root: Path) -> RankSetup:
+    """A rank's set-up for `config` in this process (a one-rank group, as without torchrun),
+    from the run spec the launcher would write; close the group with `close_distributed`."""
+    places = run_places(config, config.job.name, run_root)
+    spec = RunSpec(config=config, run_id=config.job.name, places=places)
+    spec.write(Path(places.run_dir) / SPEC_FILE)
+    return set_up_rank(spec)

@@ -1,7 +1,8 @@
-"""The launcher that stays alive beside torchrun is lean: a real `splitstage train` never imports
-torch, a family's libraries or a model in its own process (the plan and the preflight run once, in
-a short-lived child); the child's bad input reaches the user as the same one line; cancelling ends
-the child; the child's set-up reads no weights."""
+"""One road through stage 2, and a lean launcher: a real `splitstage train` never imports torch, a
+family's libraries or a model in its own process; a one-rank job runs as the launcher and the
+rank, a two-rank job as the launcher, torchrun's agent and the two ranks (no set-up child); bad
+input found by the ranks' set-up reaches the user as the same one line, once, with its class;
+cancelling or killing the launcher during the set-up ends the ranks; the set-up reads no weights."""
 
 from __future__ import annotations
 
@@ -19,14 +20,13 @@ import pytest
 
 from splitstage.config.job import ConfigError
 from splitstage.splitter import UserError
-from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.distributed import close_distributed
+from splitstage.tasks.stage2.launch import train, user_error
 from splitstage.tasks.stage2.preflight import StaleCacheError
-from splitstage.tasks.stage2.prepare import prepare
-from splitstage.tasks.stage2.prepare_child import PrepareError, raise_reply, user_error
+from splitstage.tasks.stage2.run_spec import RunSpecError
 from splitstage.tasks.stage2.torchrun import TorchrunError
 from tests.helpers.signals import default_sigint
-from tests.helpers.tiny_job import make_workspace, tiny_config
+from tests.helpers.tiny_job import make_workspace, one_rank_setup, tiny_config
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 
@@ -91,14 +91,17 @@ def test_a_real_train_launcher_never_imports_torch(workspace):
     assert figures["peak_mb"] < 0.25 * report["peak_rss_mb"], (figures, report["peak_rss_mb"])
 
 
-def test_bad_input_found_in_the_child_is_one_line_exit_2(workspace, tmp_path):
-    path = job_file(workspace, "bad-accumulation", gradient_accumulation_steps=50)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_bad_input_found_by_the_ranks_is_one_line_once_exit_2(workspace, nproc):
+    name = f"bad-accumulation-{nproc}"
+    path = job_file(workspace, name, gradient_accumulation_steps=50, nproc_per_node=nproc)
     figures, output = launch(["train", str(path)])
     assert figures["code"] == 2 and figures["imported"] == [], output
-    errors = [line for line in output.splitlines() if line.startswith("splitstage: error: ")]
-    assert len(errors) == 1 and "train.gradient_accumulation_steps=50" in errors[0], output
+    said = [line for line in output.splitlines() if "train.gradient_accumulation_steps=50" in line]
+    assert said == [said[0]] and said[0].startswith("splitstage: error: "), output  # once
     assert "Traceback" not in output
-    assert not list(workspace.rglob("bad-accumulation/spec.json"))  # refused before the spec
+    out = workspace / "out" / name
+    assert not list(out.glob("checkpoints/step-*")) and not list(out.glob("*.safetensors"))
 
 
 def test_the_childs_error_keeps_its_class_in_process(workspace):
@@ -115,22 +118,38 @@ def test_a_class_from_a_module_the_launcher_imported_is_kept(workspace, tmp_path
         train(config, run_root=workspace / "runs", env=ENV, on_line=lambda line: None)
 
 
-def test_a_bug_in_the_child_comes_back_with_its_traceback(tmp_path):
-    request, reply = tmp_path / "request.json", tmp_path / "reply.json"
-    request.write_text(json.dumps({"config": {}}))  # no run id: a KeyError, not bad input
-    module = "splitstage.tasks.stage2.prepare"
-    done = subprocess.run([sys.executable, "-m", module, str(request), str(reply)], timeout=120)
-    answer = json.loads(reply.read_text())["error"]
-    assert done.returncode == 1 and answer["kind"] == "bug"
-    with pytest.raises(PrepareError, match=r"(?s)Traceback.*KeyError: 'run_id'"):
-        raise_reply(answer, done.returncode)
+def test_a_spec_from_another_version_is_one_line(workspace, tmp_path):
+    config = tiny_config(workspace, "versions", 0)
+    document = {"version": 2, "config": config.model_dump(mode="json"), "run_id": "v"}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(document))
+    from splitstage.tasks.stage2.run_spec import RunSpec
+
+    with pytest.raises(RunSpecError, match=r"run spec .*spec.json: version: .*same splitstage"):
+        RunSpec.read(spec)
 
 
-@pytest.mark.parametrize(
-    ("nproc", "set_up"),  # a one-process job's rank runs the set-up itself, first
-    [(1, "stage2.worker --set-up-first"), (2, "stage2.prepare")],
-)
-def test_cancelling_during_set_up_ends_the_child(workspace, nproc, set_up):
+@pytest.mark.parametrize(("nproc", "processes"), [(1, 1), (2, 3)])
+def test_one_road_no_other_python_process(workspace, nproc, processes):
+    """Below the launcher (this process): the rank, or torchrun's agent and its two ranks."""
+    seen: list[list[str]] = []
+
+    def look(line: str) -> None:
+        if "update 1/" in line and not seen:
+            kids = psutil.Process().children(recursive=True)
+            seen.append([" ".join(p.cmdline()) for p in kids])
+
+    config = tiny_config(workspace, f"road{nproc}", 0, batch_size=1, max_steps=2)
+    config.train.nproc_per_node = nproc
+    report = train(config, run_root=workspace / "runs", env=ENV, on_line=look)
+    assert report.updates == 2 and report.world_size == nproc
+    assert len(seen[0]) == processes, seen
+    ranks = [line for line in seen[0] if "stage2.agent" not in line]
+    assert len(ranks) == nproc and all("-m splitstage.tasks.stage2.worker" in r for r in ranks)
+
+
+@pytest.mark.parametrize(("nproc", "started"), [(1, "stage2.worker"), (2, "stage2.agent")])
+def test_cancelling_during_set_up_ends_the_ranks(workspace, nproc, started):
     cancel = threading.Event()
     cancel.set()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -138,26 +157,26 @@ def test_cancelling_during_set_up_ends_the_child(workspace, nproc, set_up):
     with pytest.raises(TorchrunError) as stopped:
         train(config, run_root=workspace / "runs", env=ENV, cancel=cancel, on_line=print)
     assert stopped.value.result.cancelled
-    assert set_up in " ".join(stopped.value.result.command)
+    assert started in " ".join(stopped.value.result.command)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
-    assert not (workspace / "runs/cancelled/spec.json").exists()
+    assert not list(workspace.glob("out/cancelled/checkpoints/step-*"))
 
 
 def set_up_child(launcher: subprocess.Popen) -> psutil.Process:
-    """The launcher's set-up child, once it has started (it runs for seconds: torch, the plan)."""
+    """The launcher's rank, once it has started (its set-up runs for seconds: torch, the plan)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for proc in psutil.Process(launcher.pid).children(recursive=True):
             try:
                 line = " ".join(proc.cmdline())
-                if "stage2.prepare" in line or "stage2.worker --set-up-first" in line:
+                if "stage2.worker" in line:
                     return proc
             except psutil.Error:
                 continue
         assert launcher.poll() is None, launcher.communicate()
         time.sleep(0.05)
-    raise AssertionError("no set-up child started")
+    raise AssertionError("no rank started")
 
 
 def gone(proc: psutil.Process, seconds: float = 20) -> bool:
@@ -174,7 +193,7 @@ def gone(proc: psutil.Process, seconds: float = 20) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_ctrl_c_or_a_killed_launcher_during_set_up_ends_the_child(workspace, sig):
+def test_ctrl_c_or_a_killed_launcher_during_set_up_ends_the_rank(workspace, sig):
     env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
     path = job_file(workspace, f"stopped-{sig.name}")
     launcher = subprocess.Popen(
@@ -186,23 +205,25 @@ def test_ctrl_c_or_a_killed_launcher_during_set_up_ends_the_child(workspace, sig
         preexec_fn=default_sigint,
     )
     child = set_up_child(launcher)
-    os.kill(launcher.pid, sig)  # Ctrl-C reaches the launcher only: the child has its session
+    os.kill(launcher.pid, sig)  # Ctrl-C reaches the launcher only: the rank has its session
     out, err = launcher.communicate(timeout=60)
     assert gone(child), child
     if sig == signal.SIGINT:
         assert launcher.returncode == 130, err
         assert err.strip().splitlines()[-1] == "splitstage: interrupted" and "Traceback" not in err
-    assert not list(workspace.rglob(f"stopped-{sig.name}/spec.json"))
+    assert not list(workspace.glob(f"out/stopped-{sig.name}/checkpoints/step-*"))
 
 
-def test_the_set_up_the_child_runs_reads_no_weights(workspace, tmp_path):
-    """`prepare` (what the child runs) in this process, watched: configs and headers only."""
+def test_a_ranks_set_up_reads_no_weights(workspace, tmp_path):
+    """`set_up_rank` (plan, checks, agreement) in this process, watched: configs and headers."""
     config = tiny_config(workspace, "no-weights-set-up", 0)
-    with weight_loads() as seen:
-        prepared = prepare(make_plan(config), "no-weights-set-up", tmp_path / "runs", tmp_path)
+    try:
+        with weight_loads() as seen:
+            setup = one_rank_setup(config, tmp_path / "runs")
+    finally:
+        close_distributed()
     assert seen == []
-    assert prepared["cache_key"] and prepared["split"]["v1"] is not None
-    json.dumps(prepared)  # all of it goes through JSON to the launcher
+    assert setup.plan.cache_key and setup.settings["samples"]
 
 
 def test_errors_come_back_as_the_nearest_class_this_process_has():
@@ -214,10 +235,26 @@ def test_errors_come_back_as_the_nearest_class_this_process_has():
     error = user_error("cache.url: bad", classes)
     assert type(error) is ConfigError and str(error) == "cache.url: bad"
     assert type(user_error("x", [["builtins", "ValueError"]])) is UserError
-    with pytest.raises(OSError) as full:
-        raise_reply({"kind": "os", "errno": 28, "strerror": "No space", "filename": "/x"}, 2)
-    assert full.value.errno == 28 and full.value.filename == "/x"
-    with pytest.raises(PrepareError, match="killed by SIGKILL"):
-        raise_reply(None, -9)
-    with pytest.raises(PrepareError, match="(?s)Traceback.*KeyError"):
-        raise_reply({"kind": "bug", "traceback": "Traceback ...\nKeyError: 'x'"}, 1)
+    assert type(user_error("x", [])) is UserError
+
+
+def test_a_refusal_record_is_raised_again_as_what_it_was(tmp_path):
+    """What `rank_setup.record_refusal` leaves, as the launcher raises it: an OSError keeps its
+    errno and path (the CLI names the cause), bad input its class; a later stop is 'stopped'."""
+    from splitstage.tasks.stage2.launch import TrainingStoppedError, raise_rank_error
+    from splitstage.tasks.stage2.outputs import ERROR_FILE, RunPlaces
+
+    places = RunPlaces(run_dir=str(tmp_path), output_url="s3://b/o", checkpoint_url="s3://b/c")
+    record = tmp_path / ERROR_FILE
+    full = {"errno": 28, "strerror": "No space left on device", "filename": "/cache/x"}
+    record.write_text(json.dumps({"phase": "set-up", "message": "m", "os": full}))
+    with pytest.raises(OSError) as error:
+        raise_rank_error(tmp_path, places, True)
+    assert (error.value.errno, error.value.filename) == (28, "/cache/x")
+    classes = [["splitstage.config.base_group", "ConfigError"]]
+    record.write_text(json.dumps({"phase": "set-up", "message": "a: b", "classes": classes}))
+    with pytest.raises(ConfigError, match="^a: b$"):
+        raise_rank_error(tmp_path, places, True)
+    record.write_text(json.dumps({"rank": 1, "message": "the loss is nan"}))
+    with pytest.raises(TrainingStoppedError, match="^training stopped: the loss is nan$"):
+        raise_rank_error(tmp_path, places, True)
