@@ -1,6 +1,6 @@
 """Outputs and checkpoints on the cache's object store take the cache's Prefect credentials block
 (real S3 endpoint: moto on loopback with credential checks; a real Prefect test server): the
-preflight's write probe, a checkpoint saved, found and loaded through the options the run spec
+launcher's write probe, a checkpoint saved, found and loaded through the options the run spec
 hands the ranks, and an export file; no secret in the spec, a repr, a log line or a message."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from splitstage.tasks.stage2.checkpoint import (
     read_extra_state,
     save_checkpoint,
 )
-from splitstage.tasks.stage2.launch import write_spec
 from splitstage.tasks.stage2.outputs import (
+    check_outputs,
     open_output,
-    options_for,
     output_storage_options,
-    run_paths,
+    probe_writable,
+    run_places,
 )
-from splitstage.tasks.stage2.preflight import probe_writable
+from splitstage.tasks.stage2.run_spec import RunSpec
 from tests.helpers.data_s3_job import data_s3_config
 
 pytestmark = pytest.mark.slow
@@ -67,14 +67,12 @@ def test_checkpoints_and_outputs_use_the_cache_block(block_job, tmp_path, caplog
     raw, writer = block_job
     config = config_from_dict(raw)
     caplog.set_level("DEBUG")
-    paths = run_paths(config, "run1", tmp_path / "runs")
-    for key, field_name in (
-        ("output_url", "output.url"),
-        ("checkpoint_url", "train.checkpoint_url"),
-    ):
-        probe_writable(paths[key], field_name, options_for(paths, key))  # as `train` does
-
-    spec = json.loads(write_spec(config, "run1", None, tmp_path / "run1", paths).read_text())
+    places = run_places(config, "run1", tmp_path / "runs")
+    check_outputs(places)  # the launcher's write probes, before it holds the run
+    written = RunSpec(config=config, run_id="run1", places=places).write(
+        tmp_path / "run1/spec.json"
+    )
+    spec = json.loads(written.read_text())["places"]
     options = spec["checkpoint_storage_options"]  # what every rank reads from the spec
     assert options["credentials_block"]["name"] == BLOCK
     torch.manual_seed(0)
@@ -105,7 +103,7 @@ def test_without_the_block_the_probe_refuses_and_names_the_field(block_job, s3_e
     raw["cache"]["credentials_block"] = None  # the environment's user may not write
     raw["cache"]["storage_options"] = {"endpoint_url": s3_endpoint}  # the block gave it before
     config = config_from_dict(raw)
-    url = run_paths(config, "run1", tmp_path / "runs")["output_url"]
+    url = run_places(config, "run1", tmp_path / "runs").output_url
     assert output_storage_options(config, url) == {"endpoint_url": s3_endpoint}
     with pytest.raises(ConfigError) as error:
         probe_writable(url, "output.url", output_storage_options(config, url))

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from splitstage.tasks.stage2.outputs import LEASE_NAME, deleted_place, leased_places
+from splitstage.tasks.stage2.outputs import LEASE_NAME, RunPlaces
 
 
-def paths(output: str, checkpoints: str) -> dict[str, str]:
-    return {"output_url": output, "checkpoint_url": checkpoints}
+def paths(output: str, checkpoints: str) -> RunPlaces:
+    return RunPlaces(run_dir="runs/x", output_url=output, checkpoint_url=checkpoints)
 
 
 def test_a_checkpoint_url_outside_the_output_folder_is_leased_too(tmp_path):
     inside = paths(f"{tmp_path}/out/run", f"{tmp_path}/out/run/checkpoints")
     outside = paths(f"{tmp_path}/out/run", f"{tmp_path}/elsewhere/run")
-    assert leased_places(inside) == ["output_url"]
-    assert leased_places(outside) == ["output_url", "checkpoint_url"]
+    assert inside.leased() == ["output_url"]
+    assert outside.leased() == ["output_url", "checkpoint_url"]
     # a sibling whose name starts with the output folder's is outside it
-    assert leased_places(paths(f"{tmp_path}/out/run", f"{tmp_path}/out/run-2")) == [
+    assert paths(f"{tmp_path}/out/run", f"{tmp_path}/out/run-2").leased() == [
         "output_url",
         "checkpoint_url",
     ]
@@ -26,9 +26,9 @@ def test_a_place_is_deleted_when_its_lease_file_is_gone_even_if_the_folder_came_
     for place in ("out", "ckpt"):
         (tmp_path / place).mkdir()
         (tmp_path / place / LEASE_NAME).write_text("{}")
-    assert deleted_place(run) is None
+    assert run.deleted() is None
     (tmp_path / "ckpt" / LEASE_NAME).unlink()  # e.g. rm -rf, then a writer made the folder again
-    assert deleted_place(run) == f"file://{tmp_path}/ckpt"
+    assert run.deleted() == f"file://{tmp_path}/ckpt"
 
 
 def test_another_nodes_released_lease_is_not_a_deleted_folder(tmp_path):
@@ -36,11 +36,11 @@ def test_another_nodes_released_lease_is_not_a_deleted_folder(tmp_path):
     judges only by the folder."""
     (tmp_path / "out").mkdir()
     run = paths(str(tmp_path / "out"), str(tmp_path / "out/checkpoints"))
-    assert deleted_place(run, lease_held_here=False) is None
-    assert deleted_place(run) == str(tmp_path / "out")
+    assert run.deleted(lease_held_here=False) is None
+    assert run.deleted() == str(tmp_path / "out")
     (tmp_path / "out").rmdir()
-    assert deleted_place(run, lease_held_here=False) == str(tmp_path / "out")
+    assert run.deleted(lease_held_here=False) == str(tmp_path / "out")
 
 
 def test_an_object_store_has_no_folder_to_lose():
-    assert deleted_place(paths("s3://bucket/out/run", "s3://bucket/ckpt/run")) is None
+    assert paths("s3://bucket/out/run", "s3://bucket/ckpt/run").deleted() is None
