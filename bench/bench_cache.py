@@ -9,7 +9,7 @@ Run: .venv/bin/python bench/bench_cache.py [--samples-per-shard 128] [--shards 3
     put shards, then put index entries) vs a raw batched s3fs `pipe` of the same shard bytes.
     Goal: ratio >= 0.9 (also shown against a raw pipe of every object write_shards puts: the
     shards AND their index entries). One-shard-per-call `write_shard` is shown for information,
-    and so is stage 1's writer path (`Stage1Pipeline` with stand-in load/compute): shards
+    and so is stage 1's writer path (`OverlappedRun` with stand-in load/compute): shards
     prepared ahead on its encoder thread and committed in order, vs one shard at a time.
     On a 2-core machine moto takes one core and each index entry is one more PUT (moto spends
     ~6 ms of CPU per request whatever its size), so the raw pipe of shards + entries is itself
@@ -48,7 +48,7 @@ from netns import run_shaped  # noqa: E402
 from splitstage.storage.files import write_chains  # noqa: E402
 from splitstage.tasks.cache.shard_format import prepare_shard  # noqa: E402
 from splitstage.tasks.cache.store import CacheStore, encode_shard  # noqa: E402
-from splitstage.tasks.stage1.pipeline import Stage1Pipeline  # noqa: E402
+from splitstage.tasks.stage1.overlap import OverlappedRun  # noqa: E402
 
 
 def demo_cached_sample(seed: int = 0) -> dict[str, Any]:
@@ -176,7 +176,7 @@ def write_throughput(
     def stage1(ahead: bool) -> None:  # the same shards: one signature, batches of a shard
         n = len(shards[0])
         prepare = {"prepare": store.prepare_shard, "discard": lambda p: p.discard()}
-        Stage1Pipeline(
+        OverlappedRun(
             load=lambda sample: sample,
             compute=lambda samples: samples,
             write=store.write_shard,

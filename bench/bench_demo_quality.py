@@ -45,8 +45,8 @@ from splitstage.config.job import load_config  # noqa: E402
 from splitstage.data.digits import DIGIT_WORDS, digit_image  # noqa: E402
 from splitstage.demo import prepare_inputs  # noqa: E402
 from splitstage.pipelines.sampling_common import grid_png  # noqa: E402
+from splitstage.tasks.launch.launcher import train  # noqa: E402
 from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
-from splitstage.tasks.stage2.launch import train  # noqa: E402
 
 WORK = Path("runs/bench/demo_quality")
 ENV = {"OMP_NUM_THREADS": "1", "SPLITSTAGE_DEVICE": "cpu"}

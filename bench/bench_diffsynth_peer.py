@@ -35,7 +35,16 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_startup import ENV, MAIN, SIDE_PYTHON, role, run, toml, write_assets  # noqa: E402
+from bench_startup import (  # noqa: E402
+    ENV,
+    MAIN,
+    SIDE_PYTHON,
+    python_path,
+    role,
+    run,
+    toml,
+    write_assets,
+)
 
 SAMPLES, LR, DECAY = 8, 1e-4, 0.01
 ACCELERATE = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
@@ -127,10 +136,11 @@ def diffsynth_role(proc: psutil.Process, launcher: int) -> str:
 
 
 def watch(command: list[str], cwd: Path, log: str, label, mark: str | None = None) -> dict:
-    """bench_startup's `run` of a command (its own PYTHONPATH dropped), flattened: wall seconds,
-    output, when `mark` first appeared, `<role>_rss` / `<role>_uss` peaks (MB) with "largest"
-    and "tree" among the roles; the output is kept in cwd/<log>.log."""
-    env = {k: v for k, v in {**os.environ, **ENV}.items() if k != "PYTHONPATH"}
+    """bench_startup's `run` of a command (its own PYTHONPATH replaced by `python_path`: the tiny
+    models' classes, no other tree), flattened: wall seconds, output, when `mark` first appeared,
+    `<role>_rss` / `<role>_uss` peaks (MB) with "largest" and "tree" among the roles; the output
+    is kept in cwd/<log>.log."""
+    env = {**os.environ, **ENV, "PYTHONPATH": python_path(cwd)}
     result = run(command, env, cwd, mark, label=label)
     (cwd / f"{log}.log").write_text(result["out"])
     flat = {f"{name}_rss": mb for name, mb in result["peaks"].items()}
@@ -251,7 +261,7 @@ def with_larger_models(job: dict, folder: Path, kwargs_of: dict) -> dict:
     """The job on tiny Z-Image files with a larger text encoder (`kwargs_of` its constructor
     arguments), in `folder` (all in bf16): stage 1 loads and holds it."""
     script = (
-        "import json, sys, torch; from splitstage.tiny_diffsynth import write_tiny_models; "
+        "import json, sys, torch; from tests.helpers.tiny_diffsynth import write_tiny_models; "
         "print(json.dumps(write_tiny_models('ZImagePipeline', sys.argv[1], "
         f"kwargs_of={kwargs_of!r}, dtype=torch.bfloat16)))"
     )
@@ -260,7 +270,7 @@ def with_larger_models(job: dict, folder: Path, kwargs_of: dict) -> dict:
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, **ENV},
+        env={**os.environ, **ENV, "PYTHONPATH": python_path(folder.parent)},
     )
     info = json.loads(done.stdout.strip().splitlines()[-1])
     return job | {"pipeline": job["pipeline"] | info}

@@ -41,7 +41,7 @@ WAN = "WanVideoPipeline"
 
 def workspace(root: Path, clips: int, frames: int) -> dict:
     """Tiny Wan model files and `clips` clips of `frames` + 4 frames in a CSV `video` column."""
-    from splitstage.tiny_diffsynth import write_tiny_models
+    from tests.helpers.tiny_diffsynth import write_tiny_models
     from tests.helpers.video_files import write_video
 
     info = write_tiny_models(WAN, root / WAN)

@@ -27,7 +27,7 @@ ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"
 def workspace(root: Path, rows: int) -> Path:
     """Digits with a teacher seed and step count per row, and a tiny FLUX folder."""
     from splitstage.data.digits import write_digits_dataset
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     write_digits_dataset(root / "data", limit=rows, size=32)
     with (root / "data" / "metadata.csv").open(encoding="utf-8") as handle:
@@ -66,8 +66,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--updates", type=int, default=30)
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args(argv)
+    from splitstage.tasks.launch.launcher import train
     from splitstage.tasks.stage1.preprocess import preprocess
-    from splitstage.tasks.stage2.launch import train
 
     root = workspace(Path(tempfile.mkdtemp(prefix="bench-distill-")), args.rows)
     preprocess(job(root, "split", args.updates), workers=1, progress=False)

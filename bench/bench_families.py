@@ -7,7 +7,7 @@ Each family trains a random-weight diffusers folder built from the real configs 
 base, SD3-medium, FLUX.1-dev) with every width (channels, hidden sizes, head dims, projections,
 GroupNorm groups) divided by one factor (8; FLUX 16) and real depths and head counts, so the text
 encoder : denoiser : VAE encoder parameter ratios stay the real ones. The tokenizers are those of
-`splitstage.tiny_diffusers` and the token tables their size (they cost no compute), so the ratio
+`tests.helpers.tiny_diffusers` and the token tables their size (they cost no compute), so the ratio
 kept is that without token tables; both real ratios are printed. Prompt tokens keep their real
 share of the denoiser's sequence (77 at 512 px -> 5 at 128 px), except the 77 CLIP tokens SD3 and
 FLUX always take. One process, one thread, fp32, LoRA rank 4; on one batch, interleaved (split,
@@ -44,7 +44,7 @@ from splitstage.pipelines.draws import Draws  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
 from splitstage.tasks.job_plan import make_plan  # noqa: E402
 from splitstage.tasks.stage2.models import add_lora  # noqa: E402
-from splitstage.tiny_diffusers import SD_SCHEDULE, clip_tokenizer, t5_tokenizer  # noqa: E402
+from tests.helpers.tiny_diffusers import SD_SCHEDULE, clip_tokenizer, t5_tokenizer  # noqa: E402
 
 WORK = Path("runs/bench/families")
 FAMILIES = ("sd", "sdxl", "sd3", "flux")

@@ -39,13 +39,13 @@ def with_storage(config, folder: Path):
 def run_plain(config) -> dict[str, float]:
     """The pipeline as plain function calls, with the same shard threads as the flow."""
     from splitstage.data.index import index_data_set
-    from splitstage.tasks.job_plan import make_plan, open_cache
+    from splitstage.tasks.job_plan import make_plan
+    from splitstage.tasks.launch.launcher import train
     from splitstage.tasks.stage1.preprocess import (
         CacheSnapshot,
         preprocess_shard,
         summarize_preprocess,
     )
-    from splitstage.tasks.stage2.launch import train
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
@@ -54,7 +54,7 @@ def run_plain(config) -> dict[str, float]:
     seconds["plan"] = time.perf_counter() - started
     mark = time.perf_counter()
     data = index_data_set(config)
-    store = open_cache(plan)
+    store = plan.cache  # the process's one store, as the flow's
     stats = store.stats()
     before = CacheSnapshot(frozenset(store.committed_keys()), stats.shards, stats.bytes)
     shards = config.preprocess.workers

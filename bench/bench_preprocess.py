@@ -46,8 +46,8 @@ from splitstage.tasks.cache.store import CacheStore  # noqa: E402
 from splitstage.tasks.job_plan import make_plan, open_cache  # noqa: E402
 from splitstage.tasks.stage1.preprocess import (  # noqa: E402
     ShardReport,
+    overlapped_run,
     preprocess,
-    stage1_pipeline,
 )
 
 WORK = Path("runs/bench/preprocess")
@@ -93,7 +93,7 @@ def overlap_figures(config, rounds: int) -> dict[str, float]:
     """Seconds (median of interleaved rounds) of V2 alone on decoded samples, of the overlapped
     pipeline and of the serial loop, all on the same samples with the same loaded models."""
     plan, data = make_plan(config), index_data_set(config)
-    family, base, params = plan.family, config.data.base_path, plan.split.boundary_params
+    family, base, params = plan.family, data.source, plan.split.boundary_params
     cpu = torch.device("cpu")
     models = {m: family.build_model(m, cpu) for m in plan.split.models["stage1"]}
     ctx = StepContext(models=models, device=cpu, settings=family.settings())
@@ -115,7 +115,7 @@ def overlap_figures(config, rounds: int) -> dict[str, float]:
             v2(decoded[start : start + size])
 
     def overlapped():
-        stage1_pipeline(plan, fresh("pipeline"), ctx, ShardReport(0, 1)).run(todo)
+        overlapped_run(plan, fresh("pipeline"), base, ctx, ShardReport(0, 1)).run(todo)
 
     def serial():
         store, buffer = fresh("serial"), {}

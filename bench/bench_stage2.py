@@ -30,8 +30,8 @@ from demo_job import demo_job  # noqa: E402
 from splitstage.data.digits import write_digits_dataset  # noqa: E402
 from splitstage.demo import write_demo_weights  # noqa: E402
 from splitstage.pipelines.family import family_for  # noqa: E402
+from splitstage.tasks.launch.launcher import train  # noqa: E402
 from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
-from splitstage.tasks.stage2.launch import train  # noqa: E402
 from splitstage.tasks.stage2.models import add_lora  # noqa: E402
 
 WORK = Path("runs/bench/stage2")

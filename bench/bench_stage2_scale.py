@@ -201,8 +201,8 @@ def first_batch(root: str, samples_file: str | None) -> dict:
     """Wall time from process start to the first batch of CachedBatches.iterate(0)."""
     import splitstage.tasks.stage2.worker  # noqa: F401  (what a rank imports)
     from splitstage.config.job import config_from_dict
+    from splitstage.tasks.cache.key_table import KeyTable
     from splitstage.tasks.stage2.batches import CachedBatches
-    from splitstage.tasks.stage2.trainer import read_samples
 
     t_imported = time.time()
     config = config_from_dict(
@@ -217,7 +217,7 @@ def first_batch(root: str, samples_file: str | None) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     store = CacheStore(root, CACHE_KEY)
-    source = CachedBatches(config, store, rank, world, keys=read_samples(samples_file))
+    source = CachedBatches(config, store, rank, world, keys=KeyTable.load(samples_file) if samples_file else None)
     batch = next(iter(source.iterate(0)))
     t_first = time.time()
     return {

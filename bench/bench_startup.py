@@ -4,18 +4,18 @@ Run: .venv/bin/python bench/bench_startup.py [--base 324f741] [--families demo,s
      [--steps 4] [--repeats 2] [--out /tmp/bench-startup]
 
 For each family (demo; tiny sd; tiny Z-Image through DiffSynth-Studio when the side environment
-.venv/diffsynth exists) and each tree (the base commit, extracted with `git archive` and put first
-on PYTHONPATH, then this working tree), on the same files: `splitstage validate` wall time, then
-`splitstage preprocess`, then `splitstage train` (1 rank, --steps updates, one update a line):
-launch to the first update (the rank's `update 1/` line reaching the launcher), wall time, the
-fixed cost (wall minus the updates' own seconds from the report) and the peak resident memory of
-the launcher (the process that stays alive for the run), its short-lived set-up child (plan and
-preflight, where the tree has one), torchrun's agent and the rank, each polled every 50 ms
-(psutil), and their peak unique memory (USS: pages no other process shares; torch's libraries
-count in every RSS), polled every 0.5 s. The trees alternate --repeats times and each figure keeps
-its minimum (a shared box slows runs at random). Prints one row per (family, tree), the ratios
-this tree / base, and each tree's launcher and agent against its rank. Every command is the real
-CLI in a fresh process.
+.venv/diffsynth exists) and each tree (the base commit, extracted with `git archive` and put on
+PYTHONPATH ahead of the installed one: `python_path`; then this working tree), on the same files:
+`splitstage validate` wall time, then `splitstage preprocess`, then `splitstage train` (1 rank,
+--steps updates, one update a line): launch to the first update (the rank's `update 1/` line
+reaching the launcher), wall time, the fixed cost (wall minus the updates' own seconds from the
+report) and the peak resident memory of the launcher (the process that stays alive for the run),
+its short-lived set-up child (plan and preflight, where the tree has one), torchrun's agent and the
+rank, each polled every 50 ms (psutil), and their peak unique memory (USS: pages no other process
+shares; torch's libraries count in every RSS), polled every 0.5 s. The trees alternate --repeats
+times and each figure keeps its minimum (a shared box slows runs at random). Prints one row per
+(family, tree), the ratios this tree / base, and each tree's launcher and agent against its rank.
+Every command is the real CLI in a fresh process.
 """
 
 from __future__ import annotations
@@ -62,12 +62,24 @@ def extract_base(ref: str, out: Path) -> Path:
     return tree
 
 
+def python_path(work: Path, tree: Path | None = None) -> str:
+    """PYTHONPATH of a run in `work`: `work/fixtures-path`, holding only a link to this checkout's
+    tests/ (the tiny Z-Image files name their classes `tests.helpers.tiny_diffsynth.<class>`:
+    every process of the run imports them, DiffSynth's own too, and no `splitstage` comes with
+    them), then the base `tree` when given (this tree's `splitstage` is the installed one)."""
+    folder = work / "fixtures-path"
+    if not (folder / "tests").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
+    return os.pathsep.join(str(p) for p in (folder, tree) if p is not None)
+
+
 def write_assets(out: Path, families: list[str]) -> dict[str, dict]:
     """Data, demo weights, the tiny sd folder and tiny Z-Image files; each family's job body."""
     sys.path.insert(0, str(ROOT))
     from splitstage.data.digits import write_digits_dataset
     from splitstage.pipelines.demo.weight_files import build_demo_weights
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     assets = out / "assets"
     write_digits_dataset(assets / "data", limit=8, size=64)
@@ -92,7 +104,7 @@ def write_assets(out: Path, families: list[str]) -> dict[str, dict]:
         }
     if "diffsynth" in families:
         script = (
-            "import json, sys; from splitstage.tiny_diffsynth import write_tiny_models; "
+            "import json, sys; from tests.helpers.tiny_diffsynth import write_tiny_models; "
             "print(json.dumps(write_tiny_models('ZImagePipeline', sys.argv[1])))"
         )
         done = subprocess.run(
@@ -100,7 +112,7 @@ def write_assets(out: Path, families: list[str]) -> dict[str, dict]:
             capture_output=True,
             text=True,
             check=True,
-            env={**os.environ, **ENV},
+            env={**os.environ, **ENV, "PYTHONPATH": python_path(assets)},
         )
         info = json.loads(done.stdout.strip().splitlines()[-1])
         jobs["diffsynth"] = {
@@ -143,7 +155,7 @@ def role(proc: psutil.Process, launcher: int) -> str:
         line = " ".join(proc.cmdline())
     except psutil.Error:
         return "other"
-    if "splitstage.tasks.stage2.agent" in line:  # its arguments name the worker module too
+    if "splitstage.tasks.launch.agent" in line:  # its arguments name the worker module too
         return "agent"
     if "splitstage.tasks.stage2.worker" in line:
         return "rank"
@@ -213,11 +225,7 @@ def run(
 
 def measure(python: str, tree: Path | None, job: dict, work: Path, steps: int) -> dict:
     """validate, preprocess, train of one job with one tree; the figures of each."""
-    env = {**os.environ, **ENV}
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
-    else:
-        env.pop("PYTHONPATH", None)
+    env = {**os.environ, **ENV, "PYTHONPATH": python_path(work, tree)}
     work.mkdir(parents=True, exist_ok=True)
     document = {
         "job": {"name": "startup", "seed": 0},

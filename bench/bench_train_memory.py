@@ -3,7 +3,7 @@ frozen base in bf16 vs fp32 (train.gradient_checkpointing, train.weight_dtype), 
 
 Run: .venv/bin/python bench/bench_train_memory.py [--size 512] [--batch 2] [--steps 2]
 
-A tiny FLUX folder (splitstage.tiny_diffusers) whose transformer is replaced by a wider one
+A tiny FLUX folder (tests.helpers.tiny_diffusers) whose transformer is replaced by a wider one
 (hidden 256: 4 heads of 64, 2 double + 10 single blocks, ~15M parameters) so that at 512 px
 (64x64 latents, 1024 packed image tokens + 64 text tokens) activations dominate. Each case runs in
 its own process (1 torch thread, CPU) through the real stage-2 build (meta -> LoRA rank 16 ->
@@ -51,7 +51,7 @@ def write_folder(root: Path) -> Path:
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     folder = write_tiny_folder("flux", root / "flux")
     torch.manual_seed(0)

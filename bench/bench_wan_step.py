@@ -28,7 +28,7 @@ SIDE = 64
 
 def workspace(root: Path, clips: int, frames: int) -> Path:
     """`clips` videos of frames + 8 frames, captioned in metadata.jsonl, and a tiny Wan folder."""
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
     from tests.helpers.video_files import write_video
 
     rows = []
@@ -85,8 +85,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     import torch
 
+    from splitstage.tasks.launch.launcher import train
     from splitstage.tasks.stage1.preprocess import preprocess
-    from splitstage.tasks.stage2.launch import train
 
     torch.set_num_threads(1)
     root = workspace(Path(tempfile.mkdtemp(prefix="bench-wan-")), args.clips, args.frames)

@@ -41,12 +41,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENTRIES = {  # row: candidate (module, qualname, carrier params) lists, the first one found wins
     "launcher: launch.train": [
-        [("splitstage.tasks.stage2.launch", "train", {"config"})],
+        [("splitstage.tasks.launch.launcher", "train", {"config"})],
         [("splitstage.tasks.launch", "train", {"config"})],
     ],
     "launcher + prepare child": [
         [
-            ("splitstage.tasks.stage2.launch", "train", {"config"}),
+            ("splitstage.tasks.launch.launcher", "train", {"config"}),
             ("splitstage.tasks.stage2.prepare", "prepare", {"config"}),
         ]
     ],

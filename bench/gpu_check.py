@@ -5,8 +5,8 @@ Run: bash bench/gpu_check.sh [--budget 270] [--keep]     (CPU smoke test: --cpu-
 Builds the real architectures from their configs with random weights (SD 1.5: UNet 860M, CLIP-L,
 VAE; SDXL base: UNet 2.6B, CLIP-L + CLIP-G, VAE) as diffusers folders (bf16, save_pretrained) in a
 temp dir. Text models keep their real 49408-row token tables; the tiny tokenizers of
-`splitstage.tiny_diffusers` index the first 514 rows (bos/eos set to their ids), so widths, depths
-and parameter counts are the real ones. Then, on the GPU:
+`tests.helpers.tiny_diffusers` index the first 514 rows (bos/eos set to their ids), so widths,
+depths and parameter counts are the real ones. Then, on the GPU:
   1. stage 1: text + VAE encoding of N samples in bf16 (SD at 512 px, SDXL at 1024 px)
   2. stage-2 step vs unsplit step, medians of 10 interleaved after warm-up (batch 4 SD at 512,
      batch 2 SDXL at 1024; LoRA rank 16 on an fp32 denoiser under bf16 autocast, as stage 2 trains)
@@ -132,7 +132,7 @@ def _out_of_time(signum, frame):
 def importable_splitstage() -> None:
     """Make `splitstage.*` importable here and in torchrun's workers without installing it."""
     try:
-        import splitstage.tasks.stage2.launch  # noqa: F401
+        import splitstage.tasks.launch.launcher  # noqa: F401
 
         return
     except ModuleNotFoundError as error:
@@ -289,7 +289,7 @@ def flux_step(device, work: Path, smoke: bool, check: Check):
     from splitstage.pipelines.draws import Draws
     from splitstage.pipelines.runtime import StepContext
     from splitstage.tasks.job_plan import make_plan
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     arch, pixels, tokens = FLUX_STEP["smoke" if smoke else "full"]
     folder = write_tiny_folder("flux", work / "flux-small")  # the scheduler and the settings
@@ -422,9 +422,9 @@ def launcher(device, work: Path, check: Check):
     """splitstage's real preprocess + train (torchrun, 1 process) on a tiny SD folder."""
     from splitstage.config.job import config_from_dict
     from splitstage.data.digits import write_digits_dataset
+    from splitstage.tasks.launch.launcher import train
     from splitstage.tasks.stage1.preprocess import preprocess
-    from splitstage.tasks.stage2.launch import train
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     base = work / "tiny"
     write_tiny_folder("sd", base / "sd")

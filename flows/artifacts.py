@@ -128,11 +128,10 @@ def cache_rows(
     ] + buckets
 
 
-def cache_groups(config: SplitstageConfig, report: PreprocessReport) -> dict[str, int]:
-    """Committed samples per group label, from the cache index ({} if it cannot be read: the
-    dashboard must not fail a run)."""
+def cache_groups(store: CacheStore) -> dict[str, int]:
+    """Committed samples per group label, from the cache index of the run's store ({} if it
+    cannot be read: the dashboard must not fail a run)."""
     try:
-        store = CacheStore(config.cache.url, report.cache_key, config.cache.storage_options)
         return store.stats().groups
     except Exception as error:
         get_run_logger().warning(f"could not count the cache's buckets: {error}")
@@ -140,11 +139,9 @@ def cache_groups(config: SplitstageConfig, report: PreprocessReport) -> dict[str
 
 
 def publish_cache_stats(
-    config: SplitstageConfig, report: PreprocessReport, groups: Mapping[str, int] | None = None
+    config: SplitstageConfig, report: PreprocessReport, groups: Mapping[str, int]
 ) -> None:
-    """The cache statistics table of one preprocessing run (`groups`: read from the cache
-    index when not given)."""
-    groups = cache_groups(config, report) if groups is None else groups
+    """The cache statistics table of one preprocessing run (`groups`: `cache_groups`)."""
     _publish(
         create_table_artifact,
         table=cache_rows(report, groups),

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitstage.config.job import ConfigError, SplitstageConfig
-from splitstage.tasks.stage2.launch import torchrun_spec
-from splitstage.tasks.stage2.torchrun import build_command
+from splitstage.tasks.launch.launcher import torchrun_spec
+from splitstage.tasks.launch.torchrun import build_command
 
 ENV_NNODES = "SPLITSTAGE_NNODES"
 ENV_NPROC_PER_NODE = "SPLITSTAGE_NPROC_PER_NODE"
@@ -70,5 +70,5 @@ def apply_node_env(
 def torchrun_command(
     config: SplitstageConfig, node_rank: int, spec: str = "runs/train/RUN/spec.json"
 ) -> list[str]:
-    """The torchrun command line this node runs (what `tasks.stage2.launch` launches)."""
+    """The torchrun command line this node runs (what `tasks.launch.launcher` launches)."""
     return build_command(torchrun_spec(config, Path(spec), node_rank))

@@ -20,7 +20,7 @@ from typing import Any
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.flows.multinode import apply_node_env, node_rank_from
 from splitstage.flows.versioned_outputs import run_id_for, version_for, warm_start
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.launch.launcher import train
 
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"
 

@@ -22,6 +22,7 @@ from splitstage.data.index import DataIndex
 from splitstage.flows.artifacts import (
     Progress,
     artifact_key,
+    cache_groups,
     is_top_level_run,
     publish_cache_stats,
     publish_plan,
@@ -133,11 +134,20 @@ def preprocess_flow(
     num_shards = shards or config.preprocess.workers
     if shard is not None:
         return asdict(preprocess_shard_task(config, shard, num_shards))
-    logger = get_run_logger()
-    started = time.perf_counter()
     plan = plan_job(config)
     if is_top_level_run():
         publish_plan(plan)
+    return preprocess_planned(plan, num_shards, fan_out, deployment)
+
+
+def preprocess_planned(
+    plan: JobPlan, num_shards: int, fan_out: FanOut = "local", deployment: str = SHARD_DEPLOYMENT
+) -> dict[str, Any]:
+    """The preprocess flow's body for a job planned already (the split-training flow plans
+    once and hands its plan here): index, check, run the shards, encode the prompts, sum up."""
+    config = plan.config
+    logger = get_run_logger()
+    started = time.perf_counter()
     data = index_data(config)
     before = snapshot_cache(plan)
     new = len(set(data.keys) - before.keys)
@@ -157,7 +167,7 @@ def preprocess_flow(
     prompts = validation_prompts_task(plan)  # shard 0 did it, unless no shard ran
     report = finish_preprocess(plan, data, reports, before, workers, started)
     report.validation_prompts = prompts
-    publish_cache_stats(config, report)
+    publish_cache_stats(config, report, cache_groups(plan.cache))
     for warning in report.skipped_lines():
         logger.warning(warning)
     logger.info(report.line())

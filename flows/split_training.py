@@ -20,7 +20,7 @@ from prefect.states import Cancelled
 from splitstage.config.job import SplitstageConfig
 from splitstage.flows.artifacts import publish_plan, publish_summary
 from splitstage.flows.cancel import stop_training
-from splitstage.flows.preprocess_flow import FanOut, preprocess_flow
+from splitstage.flows.preprocess_flow import FanOut, preprocess_planned
 from splitstage.flows.task_wrappers import plan_job
 from splitstage.flows.train_flow import REPORT_FILE, train_flow
 from splitstage.flows.versioned_outputs import current_version, run_id_for
@@ -121,8 +121,9 @@ def split_training(
     with timed(seconds, "plan"):
         plan = plan_job(config)
         publish_plan(plan)
-    with timed(seconds, "preprocess"):
-        cache = preprocess_flow(config, shards=shards, fan_out=fan_out)
+    with timed(seconds, "preprocess"):  # on the plan above: the flow plans once
+        num_shards = shards or config.preprocess.workers
+        cache = preprocess_planned(plan, num_shards, fan_out)
     with timed(seconds, "train"):
         if train_deployment:
             trained = train_on_deployment(

@@ -23,7 +23,9 @@ from splitstage.data.index import DataIndex, Shown, index_data_set
 from splitstage.flows.artifacts import Progress, artifact_key
 from splitstage.splitter import UserError
 from splitstage.storage.files import StorageUnreachableError
-from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.cache.validation_prompts import write_validation_prompts
+from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.launch.launcher import TrainReport, train
 from splitstage.tasks.stage1.preprocess import (
     CacheSnapshot,
     PreprocessReport,
@@ -33,8 +35,6 @@ from splitstage.tasks.stage1.preprocess import (
     snapshot,
     summarize_preprocess,
 )
-from splitstage.tasks.stage1.validation_prompts import write_validation_prompts
-from splitstage.tasks.stage2.launch import TrainReport, train
 
 IO_RETRIES = 2
 IO_RETRY_DELAYS = [2.0, 10.0]
@@ -102,7 +102,7 @@ def index_data(config: SplitstageConfig) -> DataIndex:
 @_io_task("read-cache-index", timeout_seconds=600)
 def snapshot_cache(plan: JobPlan) -> CacheSnapshot:
     """Read the cache index once: what preprocessing will reuse, and the figures to diff later."""
-    return snapshot(open_cache(plan))
+    return snapshot(plan.cache)  # the process's one store: the shards and the summary use it
 
 
 @_io_task("check-cache", timeout_seconds=1800)

@@ -17,7 +17,7 @@ from prefect.context import FlowRunContext
 
 from splitstage.config.job import ModelConfig, SplitstageConfig
 from splitstage.storage.files import join, write_atomic
-from splitstage.tasks.stage2.launch import TrainReport
+from splitstage.tasks.launch.launcher import TrainReport
 from splitstage.tasks.stage2.outputs import open_output
 
 LATEST = "latest.json"

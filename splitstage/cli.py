@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from splitstage.process.leaving import run_then_leave
 from splitstage.splitter import (
     UserError,
     assign_stages,
@@ -23,7 +24,6 @@ from splitstage.splitter import (
     plan_table,
     validate_stages,
 )
-from splitstage.tasks.stage2.process_exit import run_then_leave
 
 EXIT_USAGE = 2
 ENVIRONMENT_ERRNOS = {  # OSErrors that name a path the user must fix, and how
@@ -158,8 +158,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Stage 2: launch torchrun for this node, stream its output, print a summary."""
     from splitstage.config.job import load_config
-    from splitstage.tasks.stage2.launch import train
-    from splitstage.tasks.stage2.torchrun import TorchrunError
+    from splitstage.tasks.launch.launcher import train
+    from splitstage.tasks.launch.torchrun import TorchrunError
 
     config = load_config(args.config)
     if args.nproc_per_node:
@@ -271,9 +271,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
     device = pick_device()
     for line in planned_precision(plan.family, device):
         print(f"stage 2 on {device.type}: {line}")
+    print(f"checked: {', '.join(VALIDATED)}; only `train` checks: {', '.join(TRAIN_ONLY)}")
     for warning in checks.warnings:
         print(f"splitstage: warning: {warning}", file=sys.stderr)
     return 0
+
+
+VALIDATED = (  # what `validate` and a `train` rank's set-up both check (preflight)
+    "the mesh",
+    "the models and their weights files",
+    "what is trained (LoRA targets and rank)",
+    "the export",
+    "the batches against the data set",
+    "validation sampling",
+)
+TRAIN_ONLY = (  # what needs a run: its places, its lease, the cache it trains on
+    "the cache holds exactly the data set (validate warns)",
+    "outputs and checkpoints writable",
+    "the resume point",
+    "the run's lease",
+)
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -377,9 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def skip_what_the_job_cannot_use(args: argparse.Namespace, config) -> None:
     """In the console script's process (one job, then exit), mark the libraries this job cannot
-    use absent (`tasks/process_imports.py`); never in a process that calls `main` again."""
+    use absent (`splitstage/process/unused_imports.py`); never in a process that calls `main`
+    again."""
     if getattr(args, "one_job", False):
-        from splitstage.tasks.process_imports import skip_unused_libraries
+        from splitstage.process.unused_imports import skip_unused_libraries
 
         skip_unused_libraries(config.model_dump(mode="json"))
 

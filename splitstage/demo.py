@@ -134,6 +134,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from splitstage.tasks.stage2.process_exit import run_then_leave
+    from splitstage.process.leaving import run_then_leave
 
     run_then_leave(main)

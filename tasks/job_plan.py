@@ -1,11 +1,15 @@
-"""The job plan: the pipeline family, its split for the trainable models, and the cache key."""
+"""The job plan: the pipeline family, its split for the trainable models, and the cache key.
+
+Naming the cache (`cache_key`) takes only the fingerprints; the cache room's store is imported
+when a process opens the cache (`open_cache`, once per process through `JobPlan.cache`).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.data.images import DECODE_VERSION
@@ -15,7 +19,9 @@ from splitstage.splitter import Pipeline, SplitPlan, UnknownModelError, plan_spl
 from splitstage.storage import files as storage
 from splitstage.storage.options import with_credentials
 from splitstage.tasks.cache.fingerprint import cache_key, file_digest, stable_hash
-from splitstage.tasks.cache.store import CacheStore
+
+if TYPE_CHECKING:
+    from splitstage.tasks.cache.store import CacheStore
 
 CACHE_DTYPE = "float32"
 
@@ -100,6 +106,8 @@ def make_plan(config: SplitstageConfig) -> JobPlan:
 
 def open_cache(plan: JobPlan, cache_key: str | None = None) -> CacheStore:
     """The cache store this job reads and writes (`cache_key` when already known)."""
+    from splitstage.tasks.cache.store import CacheStore  # the cache room, once a cache is opened
+
     cache = plan.config.cache  # a credentials_block's secrets join the options in memory only
     options = with_credentials(
         cache.url, cache.storage_options, cache.credentials_block, field="cache.credentials_block"

@@ -9,22 +9,8 @@ from pydantic import model_validator
 
 from splitstage.config.base_group import Group
 from splitstage.config.pipeline_group import PipelineConfig, setting
+from splitstage.pipelines.lora_targets import QWEN_IMAGE_LORA_TARGETS
 
-# The source text's Qwen-Image LoRA targets (DiffSynth's split-training example).
-QWEN_IMAGE_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_out.0",
-    "to_add_out",
-    "img_mlp.net.2",
-    "img_mod.1",
-    "txt_mlp.net.2",
-    "txt_mod.1",
-)
 # Pipeline class -> (its diffsynth module, DiffSynth's usual LoRA targets, training inputs its
 # example train.py sets besides the data: the constants of `get_pipeline_inputs`).
 PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {

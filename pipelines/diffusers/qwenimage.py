@@ -18,7 +18,6 @@ from torch import nn
 
 from splitstage.config.job import ConfigError
 from splitstage.data.buckets import BucketError, Buckets
-from splitstage.pipelines.diffsynth.config import QWEN_IMAGE_LORA_TARGETS
 from splitstage.pipelines.diffusers.base import DTYPES
 from splitstage.pipelines.diffusers.component_export import lora_files
 from splitstage.pipelines.diffusers.components import build_empty
@@ -39,11 +38,9 @@ from splitstage.pipelines.diffusers.recipes import flow_draw, flow_scheduler
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
 from splitstage.pipelines.diffusers.wan_vae_norm import make_normalising_sampler, require_stats
 from splitstage.pipelines.family import ExportRequest, TrainingStep
+from splitstage.pipelines.lora_targets import QWEN_IMAGE_LORA_TARGETS
 from splitstage.pipelines.runtime import StepContext
 
-# The source text's Qwen-Image LoRA targets (DiffSynth-Studio's example): both attention streams,
-# the image / text MLP outputs and the modulation layers.
-QWEN_LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS  # one list for both Qwen-Image families
 # The last block's text stream is discarded (only the image tokens go to norm_out / proj_out):
 # modules there get no gradient, so a LoRA on them cannot learn, and DDP refuses unused ones.
 DEAD_IN_LAST_BLOCK = ("attn.to_add_out", "txt_mlp.")
@@ -75,7 +72,7 @@ class QwenImageFamily(FlowTransformerFamily):
     text_params = ("prompt_embeds", "prompt_embeds_mask")
     text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds", "prompt_embeds_mask")
-    default_lora_targets = QWEN_LORA_TARGETS
+    default_lora_targets = QWEN_IMAGE_LORA_TARGETS  # the diffsynth family's too
     tp_plans = {"transformer": QWEN_TP}
 
     # -- units -----------------------------------------------------------------------------------

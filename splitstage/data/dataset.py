@@ -381,7 +381,7 @@ def decode_image(data: bytes, row: Row, base_path: str | Path | DataSource) -> I
 
 def load_sample(
     row: Row,
-    base_path: str | Path,
+    base_path: str | Path | DataSource,
     size: int | tuple[int, int] | SizeRule = 64,
     image_bytes: bytes | None = None,
     *,
@@ -396,8 +396,9 @@ def load_sample(
     Extra fields never override image/prompt/height/width. 16-bit and float images are resized
     and converted in float, never through 8 bits (see `splitstage.data.images`).
     """
-    data = read_image_bytes(row, base_path) if image_bytes is None else image_bytes
-    img = open_image(data, row.where, source_for(base_path).display(row.image))
+    source = source_for(base_path)  # the one handed down, or the folder / URL opened here
+    data = read_image_bytes(row, source) if image_bytes is None else image_bytes
+    img = open_image(data, row.where, source.display(row.image))
     if callable(size):
         height, width = size(img.height, img.width)
     else:

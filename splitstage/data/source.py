@@ -1,6 +1,7 @@
 """Where a data set's files live: a local folder or any fsspec URL (s3://, gs://, file://), opened
-once per process with the config's storage options and credentials (environment or a Prefect
-block, as the cache), listed in one pass and read in batches.
+with the config's storage options and credentials (environment or a Prefect block, as the cache),
+listed in one pass and read in batches. A process opens its data set once (`open_data_source`)
+and hands that source down to everything that reads a row (no lookup by URL).
 
 A listing maps each file's path relative to the base (as rows name it, '/'-separated) to its
 (size, version): the mtime in nanoseconds on disks, the ETag (or generation) on object stores.
@@ -8,10 +9,8 @@ A listing maps each file's path relative to the base (as rows name it, '/'-separ
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -26,8 +25,6 @@ from splitstage.storage.urls import redact, scrub
 
 READ_BATCH = 256  # objects read in one batched (concurrent) call on object stores
 MAX_LISTED_FOLDERS = 4096  # more folders than this: one listing of the whole prefix
-_sources: dict[str, DataSource] = {}
-_lock = threading.Lock()
 
 
 class Listing(NamedTuple):
@@ -47,8 +44,8 @@ def relative_key(image: str) -> str:
 
 
 class DataSource:
-    """A data set's base folder or URL, opened lazily; registers itself so that
-    `read_image_bytes(row, base_path)` finds its options in this process (workers too)."""
+    """A data set's base folder or URL with its storage options, opened lazily (once per
+    source); pickled to worker processes by its names, never its resolved secrets."""
 
     def __init__(
         self,
@@ -61,10 +58,7 @@ class DataSource:
         self.local = self.scheme == "file"
         self.storage_options = dict(storage_options or {})
         self.credentials_block = credentials_block
-        self.environment = environment_credentials()  # what an unnamed login resolves from
         self._fs: tuple[Any, str] | None = None
-        with _lock:
-            _sources[self.url] = self
 
     def __reduce__(self):  # to worker processes: the names, never resolved secrets
         return DataSource, (self.url, self.storage_options, self.credentials_block)
@@ -326,42 +320,14 @@ def _version(info: Mapping[str, Any]) -> Any:
 
 
 def source_for(base_path: Any) -> DataSource:
-    """The DataSource registered for `base_path` in this process, or one with the environment's
-    credentials (a DataSource passed in is returned as is)."""
+    """`base_path` itself when it is a DataSource (what stages 1 and 2 hand down); a folder or
+    URL given as text opens a source with no storage options (the environment's login)."""
     if isinstance(base_path, DataSource):
         return base_path
-    url = urls.normalize_url(str(base_path), "data.base_path", check_bucket=False)
-    with _lock:
-        found = _sources.get(url)
-    return found if found is not None else DataSource(url)
-
-
-ENVIRONMENT_LOGIN = (  # what object-store clients read when no credentials are configured
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_PROFILE",
-    "AWS_ENDPOINT_URL",
-    "AWS_DEFAULT_REGION",
-)
-
-
-def environment_credentials() -> str:
-    """A digest of the environment's object-store login (never the secrets themselves): a data
-    source opened under another login is not reused (e.g. a worker whose environment changed)."""
-    values = "\0".join(os.environ.get(name, "") for name in ENVIRONMENT_LOGIN)
-    return hashlib.sha256(values.encode()).hexdigest()[:16]
+    return DataSource(str(base_path))
 
 
 def open_data_source(data: Any) -> DataSource:
-    """The DataSource of a DataConfig (base_path, storage_options, credentials_block), reused
-    while its settings stay the same (so its filesystem is opened once per process)."""
-    url = urls.normalize_url(str(data.base_path), "data.base_path", check_bucket=False)
-    with _lock:
-        found = _sources.get(url)
-    same = found is not None and (
-        found.storage_options,
-        found.credentials_block,
-        found.environment,
-    ) == (dict(data.storage_options), data.credentials_block, environment_credentials())
-    return found if same else DataSource(url, data.storage_options, data.credentials_block)
+    """The DataSource of a DataConfig (base_path, storage_options, credentials_block): open it
+    once per process and pass it down."""
+    return DataSource(str(data.base_path), data.storage_options, data.credentials_block)

@@ -38,8 +38,8 @@ from splitstage.tasks.cache.index_snapshot import read_index, write_snapshot
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChecks
 from splitstage.tasks.cache.side_records import SideRecords
-from splitstage.tasks.cache.switch_interval import shorter_switch_interval
 from splitstage.tasks.cache.write_ahead import PreparedShard, WriteAhead
+from splitstage.tasks.switch_interval import shorter_switch_interval
 
 _INDEX_BATCH = 1024  # index entries per batched read (bounds the bytes held at once)
 WRITE_SWITCH_INTERVAL = 0.0001  # s: best of 5 / 0.5 / 0.1 ms for write_shards (switch_interval)

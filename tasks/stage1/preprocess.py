@@ -33,11 +33,16 @@ from tqdm import tqdm
 from splitstage.config.job import SplitstageConfig
 from splitstage.data.dataset import DataError, Row
 from splitstage.data.index import DataIndex, Shown, index_data_set
-from splitstage.data.source import open_data_source
+from splitstage.data.source import DataSource
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
+from splitstage.tasks.cache.validation_prompts import (
+    prompts_path,
+    validation_prompts_written,
+    write_validation_prompts,
+)
 from splitstage.tasks.device import (
     peak_memory_gib,
     pick_device,
@@ -45,9 +50,9 @@ from splitstage.tasks.device import (
     steady_heap,
     tensor_mb,
 )
-from splitstage.tasks.job_plan import JobPlan, make_plan, open_cache
+from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.stage1 import undecodable
-from splitstage.tasks.stage1.pipeline import Stage1Pipeline
+from splitstage.tasks.stage1.overlap import OverlappedRun
 from splitstage.tasks.stage1.preprocess_report import (
     CacheSnapshot,
     PreprocessReport,
@@ -56,11 +61,6 @@ from splitstage.tasks.stage1.preprocess_report import (
     summarize_preprocess,
     summarize_shards,
 )
-from splitstage.tasks.stage1.validation_prompts import (
-    prompts_path,
-    validation_prompts_written,
-    write_validation_prompts,
-)
 
 ProgressFn = Callable[[int, int], None]
 __all__ = [  # the reports live in `report`; importers reach them from here too
@@ -68,11 +68,11 @@ __all__ = [  # the reports live in `report`; importers reach them from here too
     "PreprocessReport",
     "ShardReport",
     "all_cached",
+    "overlapped_run",
     "preprocess",
     "preprocess_shard",
     "shard_of",
     "snapshot",
-    "stage1_pipeline",
     "summarize_preprocess",
     "summarize_shards",
 ]
@@ -142,7 +142,7 @@ def preprocess_shard(
     started = time.perf_counter()
     plan = plan or make_plan(config)
     data = data or index_data_set(config, shown=Shown(bar=None if progress else False))
-    store = open_cache(plan)
+    store = plan.cache  # opened once per process: every shard and the coordinator share it
     keys = data.keys
     mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
     report, cached = repair_cache(store, plan, [keys[i] for i in mine], shard, num_shards, verify)
@@ -154,26 +154,20 @@ def preprocess_shard(
         todo = [(row, key) for row, key in todo if key not in bad]
     report.skipped = len(data.skipped) + len(report.undecodable)
     if todo:
-        _compute(plan, store, todo, report, progress, on_progress)
+        _compute(plan, store, data.source, todo, report, progress, on_progress)
     if shard == 0:  # once per run, on a worker (where the encoders belong): not sharded
         report.validation_prompts = write_validation_prompts(plan)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def all_cached(
-    plan: JobPlan,
-    data: DataIndex,
-    *,
-    prompts: bool = True,
-    store: CacheStore | None = None,
-) -> ShardReport | None:
+def all_cached(plan: JobPlan, data: DataIndex, *, prompts: bool = True) -> ShardReport | None:
     """The coordinator's own check before it starts workers: when every sample has an intact
     cached copy (or is recorded undecodable: `undecodable`), nothing is damaged and (`prompts`)
     the validation prompts are encoded, the run's report (no worker to start: on a rerun that
     costs seconds of imports); else None (workers check, repair and compute exactly as without
-    it). `store`: the caller's, if open."""
-    store = store or open_cache(plan)
+    it)."""
+    store = plan.cache
     keys = data.keys
     present = store.contains(keys)  # an array: a million keys in no time
     missing = [] if present.all() else [keys[i] for i in np.flatnonzero(~present)]
@@ -191,10 +185,11 @@ def all_cached(
     return report
 
 
-def _compute(plan, store, todo, report, progress, on_progress) -> None:
-    """Load the stage-1 models and run the overlapped pipeline over `todo`, with a progress bar;
-    the worker's memory goes into the report (MiB): resident before the models were built, the
-    models' own size, and its peaks (resident, and CUDA's allocator on a GPU)."""
+def _compute(plan, store, source, todo, report, progress, on_progress) -> None:
+    """Load the stage-1 models and run the overlapped run over `todo` (rows read through
+    `source`), with a progress bar; the worker's memory goes into the report (MiB): resident
+    before the models were built, the models' own size, and its peaks (resident, and CUDA's
+    allocator on a GPU)."""
     device = pick_device(plan.config.preprocess.device)
     family = plan.family
     steady_heap()  # the encoders' transient CPU buffers go back to the system
@@ -226,24 +221,25 @@ def _compute(plan, store, todo, report, progress, on_progress) -> None:
         return rows[key]
 
     with torch.no_grad(), bar:
-        stage1_pipeline(plan, store, ctx, report, finished, row_of).run(todo)
+        overlapped_run(plan, store, source, ctx, report, finished, row_of).run(todo)
     peaks = peak_memory_gib(device)
     report.memory |= {name.replace("_gib", "_mb"): gib * 1024 for name, gib in peaks.items()}
 
 
-def stage1_pipeline(
+def overlapped_run(
     plan: JobPlan,
     store: CacheStore,
+    source: DataSource,
     ctx: StepContext,
     report: ShardReport,
     on_done: Callable[[int], None] | None = None,
     row_of: Callable[[str], Row] | None = None,
-) -> Stage1Pipeline:
-    """The overlapped stage-1 pipeline of a job (`pipeline.Stage1Pipeline`): decode on threads,
-    V2 in batches of one shape on the caller (under its no_grad), shards written in the
-    background; counts go into `report`, undecodable rows (`row_of` names them) beside the cache."""
+) -> OverlappedRun:
+    """The overlapped stage-1 run of a job (`overlap.OverlappedRun`): decode on threads (each
+    load reads through `source`, the data set opened once: the data index's), V2 in batches of
+    one shape on the caller (under its no_grad), shards written in the background; counts go
+    into `report`, undecodable rows (`row_of` names them) beside the cache."""
     config, family, params = plan.config, plan.family, plan.split.boundary_params
-    base = open_data_source(config.data)  # given to every load: no per-sample lookup by URL
 
     def compute(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         batch = run_units(plan.v2_units, ctx, collate_samples(samples))
@@ -253,10 +249,10 @@ def stage1_pipeline(
     def skip(key: str, error: DataError) -> None:
         report.skipped += 1
         row = row_of(key) if row_of else None
-        report.undecodable[key] = undecodable.record(store, key, row, error, base)
+        report.undecodable[key] = undecodable.record(store, key, row, error, source)
 
-    return Stage1Pipeline(
-        load=lambda row: family.load_sample(row, base),
+    return OverlappedRun(
+        load=lambda row: family.load_sample(row, source),
         compute=compute,
         prepare=store.prepare_shard,  # encode + upload shard k+1 while shard k commits
         write=lambda shard: _write(store, shard, report),
@@ -342,7 +338,7 @@ def preprocess(
     started = time.perf_counter()
     plan = make_plan(config)
     data = index_data_set(config, shown=Shown(bar=None if progress else False))
-    store = open_cache(plan)
+    store = plan.cache
     before = snapshot(store)
     workers = workers or config.preprocess.workers
     run = {"plan": plan, "data": data, "progress": progress, "verify": verify}
@@ -351,7 +347,7 @@ def preprocess(
         workers = 1
     elif workers == 1:
         reports = [preprocess_shard(config, 0, 1, **run)]
-    elif not verify and (cached := all_cached(plan, data, store=store)):
+    elif not verify and (cached := all_cached(plan, data)):
         reports, workers = [cached], 0  # nothing to compute: no worker started
     else:
         threads = int(os.environ.get("SPLITSTAGE_PREPROCESS_THREADS", 0)) or max(

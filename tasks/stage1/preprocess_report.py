@@ -14,7 +14,7 @@ from typing import Any
 from splitstage.data.index import DataIndex
 from splitstage.tasks.cache.shard_format import SampleNotCachedError
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.job_plan import JobPlan, open_cache
+from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1 import undecodable
 
 
@@ -121,7 +121,7 @@ def summarize_preprocess(
     With shard reports (local fan-out) the figures are the workers' own; without them (shards ran
     as other flow runs elsewhere) they come from the cache: what got committed since `before`.
     """
-    store = open_cache(plan)
+    store = plan.cache
     store.check("none")  # samples count only with an intact-looking copy
     committed = store.committed_keys()
     # Rows whose image failed to decode were skipped (data.skip_bad_rows): not expected, and the

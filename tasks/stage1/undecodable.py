@@ -19,7 +19,7 @@ import PIL
 from splitstage.data.dataset import DataError, Row
 from splitstage.data.images import DECODE_VERSION
 from splitstage.data.index import DataIndex
-from splitstage.data.source import source_for
+from splitstage.data.source import DataSource
 from splitstage.tasks.cache.store import CacheStore
 
 FOLDER = "undecodable"
@@ -27,19 +27,16 @@ IMAGE = "{image}"  # stands for the image's path or URL in a recorded reason
 DECODER = f"{DECODE_VERSION}+pillow-{PIL.__version__}"
 
 
-def record(store: CacheStore, key: str, row: Row | None, error: DataError, base: Any) -> str:
+def record(
+    store: CacheStore, key: str, row: Row | None, error: DataError, source: DataSource
+) -> str:
     """Keep that `key`'s image did not decode; the reason, with its row and image path left
     out (`IMAGE`): the same bytes may sit on another row or path later."""
     reason = str(error)
     if row is not None:
-        reason = reason.removeprefix(f"{row.where}: ").replace(_shown(base, row), IMAGE)
+        reason = reason.removeprefix(f"{row.where}: ").replace(source.display(row.image), IMAGE)
     store.write_record(FOLDER, key, {"reason": reason, "decoder": DECODER})
     return reason
-
-
-def _shown(base: Any, row: Row) -> str:
-    """The row's image as messages name it (a path on disks, the URL on object stores)."""
-    return source_for(base).display(row.image)
 
 
 Records = dict[str, dict[str, Any]]  # every record by sample key, as `store.read_records` gives
@@ -74,6 +71,6 @@ def skipped_rows(data: DataIndex, reasons: dict[str, str]) -> list[tuple[int, st
     out = []
     for i, key in found:
         row = data.rows[i]
-        where = _shown(data.source, row) if data.source is not None else row.image
+        where = data.source.display(row.image) if data.source is not None else row.image
         out.append((row.line, f"{row.where}: {reasons[key].replace(IMAGE, where)}"))
     return out

@@ -1,13 +1,16 @@
 """Stage 2 batch sources: the cache (split mode) or the raw data set (unsplit reference).
 
-Both plan an epoch the same way (`tasks.cache.batch_plan`): global batches within one group of
+Both plan an epoch the same way (`batch_plan`): global batches within one group of
 same-shaped samples (an aspect bucket), a position per group that survives a change of world
-size or batch size, and a documented tail (`data.buckets.tail`).
+size or batch size, and a documented tail (`data.buckets.tail`). `UpdateBatches` hands the
+training loop one update's micro-batches at a time and owns where the run stands in the data (the
+epoch and the position within it: `state_dict()`, checkpointed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,9 +21,9 @@ from splitstage.data.source import open_data_source
 from splitstage.data.videos import is_video
 from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import collate_samples
-from splitstage.tasks.cache.batch_plan import EpochPlan, Position, group_members, plan_epoch
 from splitstage.tasks.cache.reader import CacheDataset
 from splitstage.tasks.cache.store import CacheStore
+from splitstage.tasks.stage2.batch_plan import EpochPlan, Position, group_members, plan_epoch
 
 Keyed = tuple[list[str], dict[str, Any]]  # a batch with its sample keys (they seed its draws)
 
@@ -180,3 +183,91 @@ class RawBatches(PlannedBatches):
         base = self.data_source
         for keys in self.rank_keys(epoch, position):
             yield keys, collate_samples([self.family.load_sample(self.rows[k], base) for k in keys])
+
+
+@dataclass
+class Update:
+    """One update's micro-batches (read as they are iterated) and the epoch they belong to."""
+
+    epoch: int
+    micro_batches: Iterator[Keyed]
+
+
+class UpdateBatches:
+    """A batch source cut into updates of `accumulation` micro-batches: `next_update()` gives
+    the next one, moving to the next epoch when this one has no whole update left (its last
+    `steps % accumulation` batches are not read). It owns the epoch and the position within it
+    (samples consumed by all replicas): `state_dict()` / `load_state_dict()`."""
+
+    def __init__(self, source: PlannedBatches, accumulation: int):
+        self.source, self.accumulation = source, accumulation
+        self.epoch = 0
+        self.start: Position = 0  # the epoch's position when this process began reading it
+        self.taken = 0  # micro-batches per rank read since `start`
+        self._reading: Iterator[Keyed] | None = None  # the epoch's batches after `start`
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the position within it, plain numbers (or {group: count})."""
+        return {"epoch": self.epoch, "offset": self.position()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's epoch and position."""
+        self.close()
+        offset = state["offset"]
+        self.epoch = int(state["epoch"])
+        self.start = dict(offset) if isinstance(offset, dict) else int(offset)
+        self.taken = 0
+
+    def position(self) -> Position:
+        """Samples of this epoch consumed by all replicas (per group of sample shapes)."""
+        if not self.taken:
+            return self.start
+        return self.source.position_after(self.epoch, self.start, self.taken)
+
+    def updates_left(self) -> int:
+        """Whole updates left in this epoch."""
+        steps = self.source.steps_per_epoch(self.start) - self.taken
+        return steps // self.accumulation
+
+    def updates_per_epoch(self) -> int:
+        """Whole updates in an epoch read from its start (the same in every epoch)."""
+        return self.source.steps_per_epoch() // self.accumulation
+
+    def planned_updates(self, done: int, epochs: int, max_steps: int | None) -> int:
+        """The update a run ends at, `done` updates in and at this position: the rest of
+        `epochs` epochs, capped at `max_steps`."""
+        left = self.updates_left() if self.epoch < epochs else 0
+        later = max(0, epochs - self.epoch - 1) * self.updates_per_epoch()
+        total = done + left + later
+        return min(total, max_steps) if max_steps else total
+
+    def next_update(self) -> Update:
+        """The next update's micro-batches, read (and prefetched) as they are iterated; the
+        position moves past each micro-batch as it is handed out."""
+        if self.updates_left() == 0:
+            self._next_epoch()
+        if self._reading is None:
+            self._reading = iter(self.source.iterate(self.epoch, self.start))
+        return Update(self.epoch, self._micro_batches())
+
+    def _micro_batches(self) -> Iterator[Keyed]:
+        assert self._reading is not None
+        for _ in range(self.accumulation):
+            keyed = next(self._reading)
+            self.taken += 1
+            yield keyed
+        if self.updates_left() == 0:  # the epoch's last update: the next epoch's start is saved
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.close()
+        self.epoch, self.start, self.taken = self.epoch + 1, 0, 0
+
+    def close(self) -> None:
+        """Stop reading (and prefetching) the current epoch; the next update reopens it at the
+        position."""
+        self.start, self.taken = self.position(), 0
+        reading, self._reading = self._reading, None
+        close = getattr(reading, "close", None)
+        if close is not None:
+            close()

@@ -8,6 +8,8 @@ or safetensors (no pickle); DCP's own `.metadata` is torch's format. Local paths
 all nodes of a multi-node job. `storage_options` may name a credentials block (the run spec's,
 see `tasks.stage2.outputs.output_storage_options`): each process reads its credentials when it
 opens the URL. A checkpoint's non-tensor state (scheduler, position, RNG) is safetensors + JSON.
+`Checkpointer` is what a training loop holds: it saves on its own cadence and restores the named
+`Stateful` parts of a run (torchtitan's CheckpointManager).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -442,3 +444,77 @@ def read_extra_state(
     path = join(root, step_dir(step))
     with storage_errors(f"{url.rstrip('/')}/{step_dir(step)}", "read checkpoint", storage_options):
         return unpack_extra(fs.cat_file(join(path, EXTRA)))
+
+
+class Stateful(Protocol):
+    """A part of a run with its own checkpointed state (torch.distributed.checkpoint's
+    `Stateful`): JSON values, tuples, tensors and numpy arrays."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """A run's checkpoints under `url`: `save(update, last=...)` writes one when it is due
+    (every `every` updates, and the last), holding the model and optimizers (DCP: resharded on
+    load) and each named part's `state_dict()`, plus `recorded` values (the run's settings, read
+    by the checks before a resume); `load()` restores the newest complete one into them."""
+
+    def __init__(
+        self,
+        url: str,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        parts: Mapping[str, Stateful],
+        *,
+        every: int,
+        keep_last: int,
+        lora_only: bool,
+        storage_options: Mapping[str, Any] | None = None,
+        recorded: Mapping[str, Any] | None = None,
+    ):
+        self.url, self.model, self.optimizers = url, model, optimizers
+        self.parts, self.recorded = dict(parts), dict(recorded or {})
+        self.every, self.keep_last, self.lora_only = every, keep_last, lora_only
+        self.storage_options = storage_options
+
+    def due(self, update: int, *, last: bool = False) -> bool:
+        """Whether `update` is checkpointed: every `every` updates, and the last."""
+        return last or update % self.every == 0
+
+    def save(self, update: int, *, last: bool = False) -> str | None:
+        """Checkpoint `update` if it is due (collective); its URL, or None."""
+        if not self.due(update, last=last):
+            return None
+        state = {name: part.state_dict() for name, part in self.parts.items()}
+        return save_checkpoint(
+            self.url,
+            update,
+            self.model,
+            self.optimizers,
+            {**self.recorded, **state},
+            keep_last=self.keep_last,
+            lora_only=self.lora_only,
+            storage_options=self.storage_options,
+        )
+
+    def load(self) -> int | None:
+        """Restore the newest complete checkpoint into the model, the optimizers and every part
+        it holds a state for (a part it lacks, such as an EMA added to the config since, keeps
+        its fresh state); its step, or None when there is none."""
+        step = self.latest(clean=True)
+        if step is None:
+            return None
+        extra = load_checkpoint(
+            self.url, step, self.model, self.optimizers, storage_options=self.storage_options
+        )
+        for name, part in self.parts.items():
+            if extra.get(name) is not None:
+                part.load_state_dict(extra[name])
+        return step
+
+    def latest(self, *, clean: bool = False) -> int | None:
+        """The newest complete checkpoint's step, or None (`clean`: rank 0 deletes unfinished
+        ones)."""
+        return latest_checkpoint(self.url, storage_options=self.storage_options, clean=clean)

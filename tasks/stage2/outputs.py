@@ -12,10 +12,10 @@ from pydantic import BaseModel, ConfigDict
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.storage.files import StorageError, join, open_fs, write_atomic
+from splitstage.storage.lease import LEASE_NAME
 from splitstage.storage.options import name_block
 from splitstage.storage.urls import local_path, scheme_of
 
-LEASE_NAME = "LEASE.json"  # in each leased place: who holds the run (tasks/stage2/lease.py)
 ERROR_FILE = "error.json"  # in a run folder: a rank's one-line reason for stopping on bad input
 SET_UP = "set-up"  # error.json's phase for a refusal before training: the launcher raises it again
 

@@ -11,7 +11,7 @@ exact. Works on meta-device models, so weights are loaded afterwards (see `tasks
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -260,3 +260,16 @@ def parallelize(
     elif mode == "ddp":
         _apply_ddp(model, dp_mesh)
     return model
+
+
+def set_gradient_sync(models: Iterable[nn.Module], sync: bool) -> None:
+    """Whether the next backward reduces the gradients across data-parallel replicas (FSDP2's
+    reduce-scatter, composable DDP's all-reduce); set it before the forward (DDP reads it
+    there). Off for all but the last micro-batch of an update, the gradients add up locally and
+    are reduced once, with the last (FSDP2 holds them unsharded meanwhile). Neither wrapper has
+    the `no_sync` accelerate's `accumulate` looks for. Models without data parallelism (one
+    rank, TP only, pipeline stages) have nothing to skip."""
+    for model in models:
+        toggle = getattr(model, "set_requires_gradient_sync", None)
+        if toggle is not None:
+            toggle(sync)

@@ -17,7 +17,7 @@ Selected with `train.parallelism = "pp"`; `check_pp_config` refuses bad settings
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,16 @@ from splitstage.splitter import (
     layout_from_fqns,
     validate_stages,
 )
+from splitstage.tasks.stage2.checkpoint import Stateful
+from splitstage.tasks.stage2.distributed import DistInfo
 from splitstage.tasks.stage2.export import export_weights
 from splitstage.tasks.stage2.models import Stage2Models, adapt_trained
 from splitstage.tasks.stage2.optimization import TrainedAverage
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
-from splitstage.tasks.stage2.rank_setup import RankSetup
 from splitstage.tasks.stage2.trainer import Trainer, require_finite, to_device
+
+if TYPE_CHECKING:  # made by the worker before the trainer is built (rank_setup.py)
+    from splitstage.tasks.stage2.run_spec import RankSetup
 
 STAGES = "train.nnodes * train.nproc_per_node"
 
@@ -110,6 +114,32 @@ def check_pp_config(config: SplitstageConfig) -> list[list[str]]:
             "only its own modules from the file); use 'slices' with train.parallelism='pp'"
         )
     return stage_fqns(config, stages)
+
+
+class StageAverage:
+    """A pipeline stage's [train.ema] as a checkpoint part: every stage's averages merged on
+    rank 0 with their tensors keyed by global FQN (disjoint across stages), so each stage of a
+    resume finds its own, whatever the stage layout."""
+
+    def __init__(self, average: TrainedAverage, names: list[str], dist_info: DistInfo):
+        self.average, self.names, self.dist = average, names, dist_info
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The merged state on rank 0 (collective; None elsewhere: only rank 0 writes it)."""
+        state = self.average.state_by_name(self.names)
+        shadow = state.pop("shadow_params")
+        blobs = [None] * self.dist.world_size if self.dist.is_main else None
+        dist.gather_object(safetensors_bytes(shadow), blobs, dst=0)  # pickles only bytes
+        if not self.dist.is_main:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for blob in blobs or []:
+            merged.update(safetensors_load(blob))
+        return {**state, "shadow_params": merged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This stage's averages from the merged state."""
+        self.average.load_state_by_name(state, self.names)
 
 
 class PipelineTrainer(Trainer):
@@ -203,38 +233,12 @@ class PipelineTrainer(Trainer):
         model = self.stage2.models[self.family.denoiser]
         return [name for name, param in model.named_parameters() if param.requires_grad]
 
-    def ema_state(self) -> dict[str, Any] | None:
-        """Every stage's EMA on rank 0, its tensors keyed by global FQN (disjoint across
-        stages), so each stage of a resume finds its own, whatever the stage layout."""
-        if self.average is None:
-            return None
-        state = self.average.state_by_name(self.trained_names())
-        shadow = state.pop("shadow_params")
-        blobs = [None] * self.dist.world_size if self.dist.is_main else None
-        dist.gather_object(safetensors_bytes(shadow), blobs, dst=0)  # pickles only bytes
-        if not self.dist.is_main:
-            return None  # only rank 0 writes the extra state
-        merged: dict[str, torch.Tensor] = {}
-        for blob in blobs or []:
-            merged.update(safetensors_load(blob))
-        return {**state, "shadow_params": merged}
-
-    def load_ema(self, state: dict[str, Any], step: int) -> None:
-        """This stage's averages from the merged state; an average not keyed by parameter (a
-        pipeline checkpoint from before each stage's was kept: stage 0's list only) cannot be
-        told apart by stage, so the EMA restarts from the resumed weights, saying so."""
-        assert self.average is not None
-        if isinstance(state["shadow_params"], dict):
-            self.average.load_state_by_name(state, self.trained_names())
-            return
-        train = self.config.train
-        self.average = TrainedAverage(
-            self.stage2.parameters(), train.ema.decay, train.ema.start_update
-        )
-        self.log(
-            f"checkpoint step {step}: its EMA is not keyed by parameter (saved before each "
-            "pipeline stage's average was kept), so the EMA restarts from the resumed weights"
-        )
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """Trainer's parts, with each stage's EMA kept by parameter name."""
+        parts = super().checkpoint_parts()
+        if self.average is not None:
+            parts["ema"] = StageAverage(self.average, self.trained_names(), self.dist)
+        return parts
 
     def gathered(self) -> dict[str, torch.Tensor]:
         """Every stage's trained tensors, merged on rank 0 (collective; empty elsewhere)."""

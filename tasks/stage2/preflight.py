@@ -21,11 +21,11 @@ import torch
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.data.index import DataIndex, index_data_set
 from splitstage.splitter import UserError
-from splitstage.tasks.stage2.batch_plan import plan_epoch
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
+from splitstage.tasks.cache.validation_prompts import read_validation_prompts
 from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.stage1.validation_prompts import read_validation_prompts
+from splitstage.tasks.stage2.batch_plan import plan_epoch
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.export import check_export
 from splitstage.tasks.stage2.models import check_lora_targets, parallel_mode

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +21,11 @@ from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.stage2.distributed import DistInfo, broadcast_bytes, init_distributed
 from splitstage.tasks.stage2.outputs import ERROR_FILE, SET_UP
 from splitstage.tasks.stage2.preflight import preflight
-from splitstage.tasks.stage2.run_spec import RunSpec
+from splitstage.tasks.stage2.run_spec import RankSetup, RunSpec
 
 
 class SetUpRefusedError(UserError, RuntimeError):
     """The set-up refused the run on rank 0; its line (and its class) is already recorded."""
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What a rank trains with, made once: the spec it was handed, its plan and place in the
-    job, the settings every checkpoint records, and the keys to train on (None: the manifest)."""
-
-    spec: RunSpec
-    plan: JobPlan
-    dist: DistInfo
-    settings: dict[str, Any]
-    samples: KeyTable | None
 
 
 def set_up_rank(spec: RunSpec) -> RankSetup:

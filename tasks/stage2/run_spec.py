@@ -1,4 +1,5 @@
-"""The run spec: what the launcher hands every rank of a stage-2 run, typed and versioned.
+"""The run spec: what the launcher hands every rank of a stage-2 run, typed and versioned; and
+what a rank makes of it once (`RankSetup`).
 
 The launcher writes it once (`RunSpec.write`, atomic JSON: no pickle) into the run folder; each
 rank reads it (`RunSpec.read`) and does its own set-up from it (`tasks/stage2/rank_setup.py`).
@@ -8,14 +9,20 @@ Torch-free, so the launcher stays lean.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.outputs import RunPlaces
+
+if TYPE_CHECKING:  # what a rank builds from the spec (rank_setup.py): torch, the family
+    from splitstage.tasks.cache.key_table import KeyTable
+    from splitstage.tasks.job_plan import JobPlan
+    from splitstage.tasks.stage2.distributed import DistInfo
 
 RUN_SPEC_VERSION = 1
 SPEC_FILE = "spec.json"
@@ -58,3 +65,15 @@ class RunSpec(BaseModel):
                 f"run spec {path}: {where}: {first['msg']}; the launcher and the ranks must run "
                 f"the same splitstage (this rank reads run spec version {RUN_SPEC_VERSION})"
             ) from None
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a rank trains with, made once: the spec it was handed, its plan and place in the
+    job, the settings every checkpoint records, and the keys to train on (None: the manifest)."""
+
+    spec: RunSpec
+    plan: JobPlan
+    dist: DistInfo
+    settings: dict[str, Any]
+    samples: KeyTable | None

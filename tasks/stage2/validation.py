@@ -24,8 +24,8 @@ from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
 from splitstage.pipelines.sampling_common import clip_gif, clip_webp, filmstrip, grid_png
 from splitstage.storage.files import join, write_atomic
+from splitstage.tasks.cache.validation_prompts import Conditioning, encode, read_validation_prompts
 from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.stage1.validation_prompts import Conditioning, encode, read_validation_prompts
 from splitstage.tasks.stage2.outputs import open_output
 
 SAMPLES_FOLDER = "samples"
@@ -92,6 +92,7 @@ class Validator:
         autocast: Callable[[], Any] = contextlib.nullcontext,
         on_grid: Callable[[int, bytes, str], None] | None = None,
         on_clips: Callable[[int, list[bytes], str], None] | None = None,
+        weights: Callable[[Callable[[], Any]], Any] | None = None,
     ):
         self.config, self.plan, self.models, self.device = plan.config, plan, models, device
         self.settings = self.config.validation
@@ -99,6 +100,7 @@ class Validator:
         self.is_main, self.log, self.autocast = is_main, log, autocast
         self.on_grid = on_grid  # e.g. the trackers' image logging: (update, png, tag)
         self.on_clips = on_clips  # a video family's clips as GIFs: (update, gifs, tag)
+        self.weights = weights  # runs sampling with other weights swapped in (the EMA's)
         self.samples: dict[int, str] = {}  # update -> the first grid's URL (the run report's)
         self.grids: dict[int, list[str]] = {}  # update -> every grid's URL, in size order
         self.sizes: list[Size | None] = list(self.settings.sample_sizes()) or [None]
@@ -107,10 +109,19 @@ class Validator:
         self.in_process = all(name in models for name in family.prompt_models())
         self.cached: Conditioning | None = None
 
-    def due(self, update: int, total: int) -> bool:
-        """Whether to sample after `update` (every N, and always at the end)."""
+    def due(self, update: int, *, last: bool = False) -> bool:
+        """Whether to sample after `update`: every `validation.every` updates, and the last."""
         every = self.settings.every
-        return self.settings.enabled and (update == total or bool(every and update % every == 0))
+        return self.settings.enabled and (last or bool(every and update % every == 0))
+
+    def validate(self, update: int, *, last: bool = False) -> str | None:
+        """Sample after `update` if it is due (with `weights` swapped in); the first grid's
+        URL, or None."""
+        if not self.due(update, last=last):
+            return None
+        if self.weights is None:
+            return self.run(update)
+        return self.weights(lambda: self.run(update))
 
     def run(self, update: int) -> str | None:
         """Sample, write the grids (rank 0); the first grid's URL. Errors are logged, never

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m splitstage.tasks.stage2.worker RUN_DIR/spec.json
 
-(A one-process job runs the same command without torchrun's agent: `tasks/stage2/torchrun.py`.)
+(A one-process job runs the same command without torchrun's agent: `tasks/launch/torchrun.py`.)
 The set-up (`rank_setup.set_up_rank`: plan, checks on rank 0, the split every rank agrees on)
 runs before any weight loads; a refusal there is left in RUN_DIR/error.json for the launcher to
 say once. A rank that stops later on bad input (a `UserError`: a diverged loss, a cache it cannot
@@ -17,10 +17,10 @@ import os
 import sys
 from pathlib import Path
 
+from splitstage.process.leaving import leave
+from splitstage.process.unused_imports import skip_unused_libraries
 from splitstage.splitter import UserError
-from splitstage.tasks.process_imports import skip_unused_libraries
 from splitstage.tasks.stage2.outputs import ERROR_FILE
-from splitstage.tasks.stage2.process_exit import leave
 from splitstage.tasks.stage2.run_spec import RunSpec
 
 

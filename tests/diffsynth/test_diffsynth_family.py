@@ -27,12 +27,11 @@ from splitstage.data.index import index_data_set
 from splitstage.pipelines.diffsynth.loader import pipeline_class
 from splitstage.pipelines.draws import Draws
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.distributed import DistInfo
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
 from splitstage.tasks.stage2.run_records import read_metrics
-from splitstage.tiny_diffsynth import nan_filled_empty, write_tiny_models
 from tests.helpers.diffsynth_jobs import (
     ENV,
     LORA,
@@ -44,6 +43,7 @@ from tests.helpers.diffsynth_jobs import (
     job_document,
     output,
 )
+from tests.helpers.tiny_diffsynth import nan_filled_empty, write_tiny_models
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 

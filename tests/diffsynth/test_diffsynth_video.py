@@ -24,11 +24,11 @@ from splitstage.data.index import index_data_set
 from splitstage.data.source import open_data_source
 from splitstage.pipelines.draws import Draws
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.run_records import read_metrics
-from splitstage.tiny_diffsynth import write_tiny_models
 from tests.helpers.diffsynth_jobs import ENV, SEED, fresh, job_document, output, registered
+from tests.helpers.tiny_diffsynth import write_tiny_models
 from tests.helpers.video_files import write_video
 
 WAN = "WanVideoPipeline"

@@ -24,12 +24,12 @@ from splitstage.data.digits import write_digits_dataset
 from splitstage.data.index import index_data_set
 from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.run_records import read_metrics
-from splitstage.tiny_diffsynth import write_tiny_models
 from tests.helpers.demo_job import demo_sections
 from tests.helpers.diffsynth_jobs import ENV, fresh, job_document, output
+from tests.helpers.tiny_diffsynth import write_tiny_models
 
 NAME = "QwenImagePipeline"
 STEPS = 2  # the student's few-step loop

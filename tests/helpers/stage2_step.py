@@ -16,7 +16,7 @@ from splitstage.pipelines.runtime import StepContext
 from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.stage2.distributed import DistInfo
 from splitstage.tasks.stage2.models import build_stage2_models
-from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.tiny_diffusers import write_tiny_folder
 
 ONE_CPU = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 BATCH = 2

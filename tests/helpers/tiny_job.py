@@ -9,8 +9,8 @@ from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.demo.weight_files import build_demo_weights
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.outputs import run_places
-from splitstage.tasks.stage2.rank_setup import RankSetup, set_up_rank
-from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
+from splitstage.tasks.stage2.rank_setup import set_up_rank
+from splitstage.tasks.stage2.run_spec import SPEC_FILE, RankSetup, RunSpec
 
 
 def tiny_config(root: Path, name: str, seed: int, **train) -> SplitstageConfig:

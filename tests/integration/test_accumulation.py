@@ -5,7 +5,6 @@ are per sample: the same 8 samples as 1 x 8, 8 x 1 or 2 ranks x 4 make the same 
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,13 @@ from safetensors.torch import load_file
 from splitstage.config.job import SplitstageConfig, config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.runtime import run_units
-from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.distributed import close_distributed
-from splitstage.tasks.stage2.launch import train, write_spec
-from splitstage.tasks.stage2.outputs import run_paths
-from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.run_records import read_metrics
 from splitstage.tasks.stage2.trainer import Trainer, to_device
-from splitstage.tiny_diffusers import write_tiny_folder
-from tests.helpers.tiny_job import make_workspace, tiny_config
+from tests.helpers.tiny_diffusers import write_tiny_folder
+from tests.helpers.tiny_job import make_workspace, one_rank_setup, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +31,7 @@ def workspace(tmp_path_factory):
 def one_rank_trainer(workspace: Path, accum: int) -> Trainer:
     """A rank of a real run spec, in this process (a one-rank group, as without torchrun)."""
     config = tiny_config(workspace, f"accum{accum}", 0, gradient_accumulation_steps=accum)
-    plan = make_plan(config)
-    paths = run_paths(config, f"accum{accum}", workspace / "runs")
-    checks = preflight(plan, paths)
-    run_dir = Path(paths["run_dir"])
-    spec = write_spec(config, run_dir.name, plan.cache_key, run_dir, paths, checks)
-    return Trainer(json.loads(spec.read_text()))
+    return Trainer(one_rank_setup(config, workspace / "runs"))
 
 
 def plain_gradient(trainer: Trainer, batch, keys: list[str]) -> list[torch.Tensor]:

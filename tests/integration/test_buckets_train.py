@@ -9,11 +9,11 @@ import pytest
 from PIL import Image
 
 from splitstage.pipelines.demo.weight_files import build_demo_weights
-from splitstage.tasks.cache.batch_plan import plan_epoch
 from splitstage.tasks.job_plan import make_plan, open_cache
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
+from splitstage.tasks.stage2.batch_plan import plan_epoch
 from splitstage.tasks.stage2.batches import CachedBatches
-from splitstage.tasks.stage2.launch import train
 from tests.helpers.tiny_job import tiny_config
 
 pytestmark = pytest.mark.slow

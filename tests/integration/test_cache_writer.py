@@ -17,7 +17,7 @@ import pytest
 
 from splitstage.tasks.cache.store import CacheStore
 from tests.helpers.cache_samples import key_of, make_samples
-from tests.helpers.cache_writer import pipeline
+from tests.helpers.cache_writer import overlapped_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_uploads_overlap_but_each_entry_follows_its_shard_and_commits_keep_their
         handed.append(prepared.info.shard_id)
         store.write_shard(prepared)
 
-    pipe, todo = pipeline(store, write, shards=6)
+    pipe, todo = overlapped_run(store, write, shards=6)
     pipe.run(todo)
     expected = [
         CacheStore("memory://order", "ck").write_shard(make_samples([2 * s, 2 * s + 1])).shard_id
@@ -99,7 +99,7 @@ KILLED_WRITER = textwrap.dedent(
     from splitstage.tasks.cache.store import CacheStore
     from splitstage.tasks.stage1.preprocess import _write
     from splitstage.tasks.stage1.preprocess_report import ShardReport
-    from tests.helpers.cache_writer import pipeline
+    from tests.helpers.cache_writer import overlapped_run
 
     url, endpoint = sys.argv[1:3]
     store = CacheStore(url, "ck", {"client_kwargs": {"endpoint_url": endpoint}})
@@ -112,7 +112,7 @@ KILLED_WRITER = textwrap.dedent(
 
     store.fs._pipe_file = slow_commits
     report = ShardReport(0, 1)
-    pipe, todo = pipeline(store, lambda prepared: _write(store, prepared, report), shards=8)
+    pipe, todo = overlapped_run(store, lambda prepared: _write(store, prepared, report), shards=8)
     pipe.run(todo)
     """
 )

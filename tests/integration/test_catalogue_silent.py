@@ -87,7 +87,7 @@ def test_a_second_train_of_the_same_run_is_refused_while_the_first_holds_it(
     assets, tmp_path, capsys
 ):
     from splitstage.config.job import load_config
-    from splitstage.tasks.stage2.launch import train
+    from splitstage.tasks.launch.launcher import train
 
     path = job(assets, tmp_path, train="batch_size = 2\nmax_steps = 100000\ncheckpoint_every = 1")
     cancel, errors = threading.Event(), []

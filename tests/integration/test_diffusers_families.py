@@ -29,12 +29,12 @@ from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
 from splitstage.tasks.stage2.distributed import DistInfo
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
-from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

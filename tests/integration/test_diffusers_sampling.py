@@ -10,9 +10,9 @@ import torch
 
 from splitstage.pipelines.diffusers.packing import pack
 from splitstage.pipelines.runtime import StepContext
-from splitstage.tasks.stage1.validation_prompts import encode
-from splitstage.tiny_diffusers import write_tiny_folder
+from splitstage.tasks.cache.validation_prompts import encode
 from tests.helpers.diffusers_families import FAMILY, PIPELINE, family_plan
+from tests.helpers.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["a photo of the digit 3", "a cat"]

@@ -19,6 +19,14 @@ import pytest
 import torch
 from torch import nn
 
+from splitstage.process.liveness import is_alive
+from splitstage.tasks.launch.torchrun import (
+    TorchrunError,
+    TorchrunSpec,
+    build_command,
+    free_port,
+    run_torchrun,
+)
 from splitstage.tasks.stage2.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -26,15 +34,7 @@ from splitstage.tasks.stage2.checkpoint import (
     save_checkpoint,
 )
 from splitstage.tasks.stage2.distributed import build_mesh
-from splitstage.tasks.stage2.liveness import is_alive
 from splitstage.tasks.stage2.parallelize import parallelize, resolve_tp_plan
-from splitstage.tasks.stage2.torchrun import (
-    TorchrunError,
-    TorchrunSpec,
-    build_command,
-    free_port,
-    run_torchrun,
-)
 from tests.integration.workers.tiny import TP_PLAN, Tiny, add_lora
 
 WORKERS = Path(__file__).parent / "workers"
@@ -155,7 +155,7 @@ SINGLE_PROCESS = """
 import torch
 from splitstage.tasks.stage2.checkpoint import load_checkpoint, save_checkpoint
 from splitstage.tasks.stage2.distributed import build_mesh, close_distributed, init_distributed
-from splitstage.tasks.stage2.liveness import is_alive
+from splitstage.process.liveness import is_alive
 from splitstage.tasks.stage2.parallelize import parallelize
 from tiny import Tiny
 info = init_distributed()
@@ -385,7 +385,7 @@ def test_a_one_process_job_runs_without_the_agent_and_fails_as_under_torchrun(mo
     assert not spec.uses_agent
     assert TorchrunSpec("w.py", nproc_per_node=1, max_restarts=1).uses_agent
     result = run_torchrun(spec, timeout=60)
-    assert "splitstage.tasks.stage2.agent" not in " ".join(result.command)
+    assert "splitstage.tasks.launch.agent" not in " ".join(result.command)
     assert not result.ok and result.returncode == 1
     assert result.failed_rank == 0 and result.failed_local_rank == 0
     assert "ValueError: boom-rank0" in result.error

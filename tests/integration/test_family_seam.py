@@ -16,8 +16,8 @@ from splitstage.config.families import family_names
 from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage2.launch import train
 
 pytestmark = pytest.mark.slow
 PLUGIN = Path(__file__).parent / "plugin"

@@ -28,9 +28,9 @@ from splitstage.splitter import UserError
 from splitstage.storage.files import StorageError
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.job_plan import make_plan, open_cache
+from splitstage.tasks.launch.launcher import train
+from splitstage.tasks.launch.torchrun import TorchrunError, free_port
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage2.launch import train
-from splitstage.tasks.stage2.torchrun import TorchrunError, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import torch
 
 from splitstage.config.job import ConfigError
 from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage2.parallelize import find_blocks
 from splitstage.tasks.stage2.preflight import check_gradient_checkpointing
 from tests.helpers.stage2_step import (

@@ -16,7 +16,7 @@ import pytest
 
 from splitstage.data.digits import write_digits_dataset
 from splitstage.demo import write_demo_weights
-from splitstage.tasks.stage2.liveness import is_alive
+from splitstage.process.liveness import is_alive
 from tests.helpers.catalogue import job
 
 pytestmark = pytest.mark.slow

@@ -20,11 +20,11 @@ import pytest
 
 from splitstage.config.job import ConfigError
 from splitstage.splitter import UserError
+from splitstage.tasks.launch.launcher import train, user_error
+from splitstage.tasks.launch.torchrun import TorchrunError
 from splitstage.tasks.stage2.distributed import close_distributed
-from splitstage.tasks.stage2.launch import train, user_error
 from splitstage.tasks.stage2.preflight import StaleCacheError
 from splitstage.tasks.stage2.run_spec import RunSpecError
-from splitstage.tasks.stage2.torchrun import TorchrunError
 from tests.helpers.signals import default_sigint
 from tests.helpers.tiny_job import make_workspace, one_rank_setup, tiny_config
 from tests.helpers.toml_job import toml
@@ -144,11 +144,11 @@ def test_one_road_no_other_python_process(workspace, nproc, processes):
     report = train(config, run_root=workspace / "runs", env=ENV, on_line=look)
     assert report.updates == 2 and report.world_size == nproc
     assert len(seen[0]) == processes, seen
-    ranks = [line for line in seen[0] if "stage2.agent" not in line]
+    ranks = [line for line in seen[0] if "launch.agent" not in line]
     assert len(ranks) == nproc and all("-m splitstage.tasks.stage2.worker" in r for r in ranks)
 
 
-@pytest.mark.parametrize(("nproc", "started"), [(1, "stage2.worker"), (2, "stage2.agent")])
+@pytest.mark.parametrize(("nproc", "started"), [(1, "stage2.worker"), (2, "launch.agent")])
 def test_cancelling_during_set_up_ends_the_ranks(workspace, nproc, started):
     cancel = threading.Event()
     cancel.set()
@@ -241,7 +241,7 @@ def test_errors_come_back_as_the_nearest_class_this_process_has():
 def test_a_refusal_record_is_raised_again_as_what_it_was(tmp_path):
     """What `rank_setup.record_refusal` leaves, as the launcher raises it: an OSError keeps its
     errno and path (the CLI names the cause), bad input its class; a later stop is 'stopped'."""
-    from splitstage.tasks.stage2.launch import TrainingStoppedError, raise_rank_error
+    from splitstage.tasks.launch.launcher import TrainingStoppedError, raise_rank_error
     from splitstage.tasks.stage2.outputs import ERROR_FILE, RunPlaces
 
     places = RunPlaces(run_dir=str(tmp_path), output_url="s3://b/o", checkpoint_url="s3://b/c")

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from splitstage.cli import main
 from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.demo.weight_files import build_demo_weights
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage2.pretrained_weights import PretrainedFile
-from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.tiny_diffusers import write_tiny_folder
 from tests.helpers.tiny_job import make_workspace, tiny_config
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import splitstage.tasks.stage2.lease as lease_module
+import splitstage.storage.lease as lease_module
 from splitstage.storage.files import StorageError
-from splitstage.tasks.stage2.lease import RunLease, RunLeaseHeldError, hold_run, read_lease
+from splitstage.storage.lease import RunLease, RunLeaseHeldError, hold_run, read_lease
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ TTL = 2.0
 HOLDER = """
 import json, sys, time
 from splitstage.storage.files import StorageError
-from splitstage.tasks.stage2.lease import hold_run
+from splitstage.storage.lease import hold_run
 with hold_run(sys.argv[1], json.loads(sys.argv[2]), ttl=float(sys.argv[3])):
     print("held", flush=True)
     time.sleep(120)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage2.checkpoint import CheckpointError, read_extra_state
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.optimization import TrainedAverage
 from splitstage.tasks.stage2.run_records import read_metrics
 from tests.helpers.tiny_job import make_workspace, tiny_config

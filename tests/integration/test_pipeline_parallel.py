@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from splitstage.config.job import ConfigError
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage2.pp_trainer import check_pp_config
 from tests.helpers.tiny_job import make_workspace, tiny_config
 

@@ -17,20 +17,20 @@ from torch import nn
 from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.data.dataset import load_metadata
 from splitstage.data.digits import write_digits_dataset
-from splitstage.pipelines.diffusers.qwenimage import QWEN_LORA_TARGETS
 from splitstage.pipelines.diffusers.qwenimage_latents import pack
 from splitstage.pipelines.draws import Draws
+from splitstage.pipelines.lora_targets import QWEN_IMAGE_LORA_TARGETS
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
+from splitstage.tasks.cache.validation_prompts import encode
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
 from splitstage.tasks.stage2.distributed import DistInfo
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.models import build_stage2_models
 from splitstage.tasks.stage2.parallelize import find_blocks
-from splitstage.tiny_diffusers import write_tiny_folder
 from tests.helpers.stage2_step import seed_adapters, trained_model
+from tests.helpers.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -110,7 +110,7 @@ def test_the_plan_caches_prompt_and_vae_encoding_and_trains_the_transformer(root
     assert plan.split.models["stage2"] == ("transformer",)
     # the source text's targets in every block, less the last block's text stream (no gradient)
     targets = plan.family.lora_targets("transformer")
-    for target in QWEN_LORA_TARGETS:
+    for target in QWEN_IMAGE_LORA_TARGETS:
         blocks = {name.split(".")[1] for name in targets if name.endswith(f".{target}")}
         dead = target in ("to_add_out", "txt_mlp.net.2")
         assert blocks == ({"0"} if dead else {"0", "1"}), target
@@ -346,7 +346,7 @@ def test_a_tokenizer_that_keeps_part_of_the_system_prompt_is_refused_by_validate
 
     from transformers import Qwen2Tokenizer
 
-    from splitstage.tiny_diffusers import QWEN_SPECIALS, _byte_symbols
+    from tests.helpers.tiny_diffusers import QWEN_SPECIALS, _byte_symbols
 
     folder = shutil.copytree(root / "qwenimage", tmp_path / "qwenimage")
     shutil.rmtree(folder / "tokenizer")

@@ -103,7 +103,7 @@ def test_a_resume_on_other_base_weights_is_refused_and_the_checkpoint_kept(
 def test_a_family_or_pretrained_folder_switch_is_refused_before_launch(tmp_path, capsys):
     """The same run resumed as sdxl (another family), then as sd on another folder (other
     weights under the same family: `pipeline.pretrained`): each one line, nothing lost."""
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     write_digits_dataset(tmp_path / "data", limit=4, size=32)
     folders = {"sd": ("sd", 0), "sdxl": ("sdxl", 0), "sd-other": ("sd", 1)}

@@ -21,8 +21,8 @@ from splitstage.cli import main
 from splitstage.config.job import config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.tasks.job_plan import make_plan
-from splitstage.tiny_diffusers import write_tiny_folder
 from tests.helpers.original_layouts import flux_to_bfl, sd3_to_original, unet_to_ldm
+from tests.helpers.tiny_diffusers import write_tiny_folder
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 

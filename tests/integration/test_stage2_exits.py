@@ -7,7 +7,7 @@ import sys
 
 LEAVE = (
     "import sys\n"
-    "from splitstage.tasks.stage2.process_exit import leave\n"
+    "from splitstage.process.leaving import leave\n"
     "print('written', end='')\n"
     "print('to stderr', end='', file=sys.stderr)\n"
     "leave(3)\n"
@@ -68,7 +68,7 @@ def test_the_torchrun_agent_exits_with_its_code_though_a_thread_is_left():
 def test_the_torchrun_agent_runs_torchrun(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'])\nsys.exit(0)\n")
-    agent = [sys.executable, "-m", "splitstage.tasks.stage2.agent", "--standalone"]
+    agent = [sys.executable, "-m", "splitstage.tasks.launch.agent", "--standalone"]
     ok = subprocess.run(
         [*agent, "--nproc-per-node=1", str(script)], capture_output=True, text=True, timeout=120
     )
@@ -117,7 +117,7 @@ def test_the_console_script_runs_exit_handlers_then_skips_finalization():
 
 LORA_AFTER = (
     "import sys\n"
-    "from splitstage.tasks.process_imports import skip_unused_libraries\n"
+    "from splitstage.process.unused_imports import skip_unused_libraries\n"
     "skip_unused_libraries({'train': {'optimizer': %r}})\n"
     "import torch\n"
     "from peft import LoraConfig, inject_adapter_in_model\n"
@@ -162,7 +162,7 @@ def test_only_the_console_scripts_one_job_process_skips_bitsandbytes():
 
 ACCELERATOR_AFTER = (
     "import sys\n"
-    "from splitstage.tasks.process_imports import skip_unused_libraries\n"
+    "from splitstage.process.unused_imports import skip_unused_libraries\n"
     "skip_unused_libraries(%r)\n"
     "from accelerate import Accelerator\n"
     "Accelerator(cpu=True)\n"

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from splitstage.config.job import ConfigError, TrainConfig
+from splitstage.tasks.launch.launcher import train
+from splitstage.tasks.launch.torchrun import TorchrunError
 from splitstage.tasks.stage2 import optimization
-from splitstage.tasks.stage2.launch import train
 from splitstage.tasks.stage2.optimization import check_update_rule, clip_gradients
 from splitstage.tasks.stage2.run_records import launches, read_metrics
-from splitstage.tasks.stage2.torchrun import TorchrunError
 from tests.helpers import catalogue
 from tests.helpers.catalogue import check_one_line, config_text, run_cli
 from tests.helpers.tiny_job import make_workspace, tiny_config

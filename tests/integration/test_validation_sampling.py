@@ -14,13 +14,14 @@ from PIL import Image
 
 from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.data.digits import write_digits_dataset
+from splitstage.tasks.cache.validation_prompts import prompts_path
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage1.validation_prompts import prompts_path
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.stage2.outputs import run_places
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.run_records import read_metrics
-from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.tiny_diffusers import write_tiny_folder
 from tests.helpers.wandb_records import history
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def test_prompts_are_encoded_beside_the_cache_and_grids_are_written(root):
     first = preprocess(plain, workers=1, progress=False)
     assert first.computed == 8 and first.validation_prompts is None
     with pytest.raises(ConfigError, match=r"validation.prompts are not encoded.*preprocess"):
-        preflight(make_plan(config), paths={})  # refused before launch
+        preflight(make_plan(config), run_places(config, "v", root / "runs"))  # before training
     again = preprocess(config, workers=1, progress=False)
     assert (again.computed, again.reused) == (0, 8)  # only the prompts were encoded
     assert Path(again.validation_prompts).is_file()
@@ -144,4 +145,4 @@ def test_bad_validation_settings_are_one_line_errors(root, monkeypatch):
         lambda name, *a: None if name == "wandb" else real_find_spec(name, *a),
     )
     with pytest.raises(ConfigError, match=r"tracking.report_to: wandb is not installed; `pip"):
-        preflight(make_plan(config), paths={})
+        preflight(make_plan(config), run_places(config, "v", root / "runs"))

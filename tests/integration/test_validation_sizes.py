@@ -19,12 +19,12 @@ from splitstage.pipelines.demo.weight_files import weights_config
 from splitstage.pipelines.diffusers.packing import pack
 from splitstage.pipelines.runtime import StepContext
 from splitstage.pipelines.sampling_common import flow_euler, guided, linear_sigmas
+from splitstage.tasks.cache.validation_prompts import encode
 from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.validation import Validator, check_validation_sizes, repeat_rows
-from splitstage.tiny_diffusers import write_tiny_folder
 from tests.helpers.demo_job import demo_sections
 from tests.helpers.diffusers_families import PIPELINE, family_plan
+from tests.helpers.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")

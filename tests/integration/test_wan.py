@@ -27,17 +27,17 @@ from splitstage.data.dataset import load_metadata  # noqa: E402
 from splitstage.data.index import index_data_set  # noqa: E402
 from splitstage.pipelines.draws import Draws  # noqa: E402
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
+from splitstage.tasks.cache.validation_prompts import encode  # noqa: E402
 from splitstage.tasks.job_plan import make_plan, open_cache  # noqa: E402
+from splitstage.tasks.launch.launcher import train  # noqa: E402
 from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
-from splitstage.tasks.stage1.validation_prompts import encode  # noqa: E402
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from splitstage.tasks.stage2.distributed import DistInfo  # noqa: E402
-from splitstage.tasks.stage2.launch import train  # noqa: E402
 from splitstage.tasks.stage2.models import build_stage2_models  # noqa: E402
 from splitstage.tasks.stage2.parallelize import find_blocks  # noqa: E402
 from splitstage.tasks.stage2.preflight import preflight  # noqa: E402
-from splitstage.tiny_diffusers import write_tiny_folder  # noqa: E402
 from tests.helpers.stage2_step import seed_adapters, trained_model  # noqa: E402
+from tests.helpers.tiny_diffusers import write_tiny_folder  # noqa: E402
 from tests.helpers.video_files import write_video  # noqa: E402
 from tests.helpers.wandb_records import history  # noqa: E402
 

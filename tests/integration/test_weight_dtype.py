@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitstage.tasks.stage2.launch import train
+from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage2.models import frozen_base_dtype
 from splitstage.tasks.stage2.parallelize import logical_name
 from tests.helpers.stage2_step import (

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from splitstage.tasks.cache.batch_plan import plan_epoch
 from splitstage.tasks.cache.reader import epoch_order
+from splitstage.tasks.stage2.batch_plan import plan_epoch
 
 KEYS = sorted(hashlib.sha256(str(i).encode()).hexdigest() for i in range(97))
 GROUPS = np.random.default_rng(0).choice(3, size=len(KEYS), p=[0.6, 0.3, 0.1])

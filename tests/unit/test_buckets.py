@@ -102,7 +102,7 @@ def test_buckets_the_family_cannot_take_are_refused_at_plan_time(tmp_path):
 
 def test_sdxl_conditions_on_the_original_size_and_the_crop_of_its_bucket(tmp_path):
     from splitstage.data.images import center_crop_box
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     write_tiny_folder("sdxl", tmp_path / "sdxl")
     config = config_from_dict(

@@ -16,7 +16,6 @@ from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyFileError, KeyTable
 from splitstage.tasks.cache.reader import CacheDataset, epoch_order
 from splitstage.tasks.cache.store import CacheCorruptError, CacheStore, SampleNotCachedError
-from splitstage.tasks.stage2.trainer import read_samples
 
 
 def hexkey(i: int) -> str:
@@ -121,16 +120,14 @@ def test_a_samples_file_that_is_not_one_is_refused_naming_it(tmp_path):
     bad = tmp_path / "samples.safetensors"
     bad.write_bytes(b"not safetensors")
     with pytest.raises(KeyFileError, match="samples.safetensors is not a splitstage"):
-        read_samples(str(bad))
+        KeyTable.load(bad)
     unsorted = KeyTable(np.array([b"b", b"a"], "S1"), False)
     unsorted.save(bad)
     with pytest.raises(KeyFileError, match="not sorted and distinct"):
-        read_samples(str(bad))
+        KeyTable.load(bad)
     good = KeyTable.from_keys([hexkey(3), hexkey(1)])
     good.save(bad)
-    assert read_samples(str(bad)) == good
-    (tmp_path / "old.json").write_text(json.dumps(["a", "b"]))  # older launchers wrote JSON
-    assert read_samples(str(tmp_path / "old.json")) == ["a", "b"]
+    assert KeyTable.load(bad) == good
 
 
 # ---- compact index in the store ----------------------------------------------------------------

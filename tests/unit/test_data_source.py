@@ -120,8 +120,9 @@ def test_data_set_on_an_fsspec_url(tmp_path):
     fs.pipe("/ds/meta/other.jsonl", b'{"image": "img/b.png", "prompt": "b"}\n')
     source = DataSource("memory://ds")
     rows = load_metadata(source)
-    assert read_image_bytes(rows[0], "memory://ds") == _png()  # found by its URL in-process
-    assert load_sample(rows[0], "memory://ds", size=4)["image"].shape == (3, 4, 4)
+    assert read_image_bytes(rows[0], source) == _png()  # the source handed down
+    assert load_sample(rows[0], source, size=4)["image"].shape == (3, 4, 4)
+    assert read_image_bytes(rows[0], "memory://ds") == _png()  # a URL alone: no options needed
     other = load_metadata(source, "memory://ds/meta/other.jsonl")
     assert other[0].image == "img/b.png"
     fs.pipe("/ds/metadata.jsonl", b'{"image": "img/zz.png", "prompt": "a"}\n')

@@ -30,7 +30,7 @@ from splitstage.data.digits import write_digits_dataset
 from splitstage.splitter import UserError
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.preflight import preflight
-from splitstage.tiny_diffusers import write_tiny_folder
+from tests.helpers.tiny_diffusers import write_tiny_folder
 
 UNET = "diffusion_pytorch_model.safetensors"
 

@@ -37,7 +37,7 @@ def test_a_prefix_no_exported_key_starts_with_is_refused(assets, tmp_path, capsy
 def sd(tmp_path_factory) -> Path:
     """A tiny sd folder and 4 digits."""
     from splitstage.data.digits import write_digits_dataset
-    from splitstage.tiny_diffusers import write_tiny_folder
+    from tests.helpers.tiny_diffusers import write_tiny_folder
 
     root = tmp_path_factory.mktemp("sd-export")
     write_tiny_folder("sd", root / "sd")

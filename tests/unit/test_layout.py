@@ -3,13 +3,18 @@ no module name shared across rooms.
 
 The rooms, lowest first; a room imports only from itself and the rooms below it:
 - `splitstage.splitter`: the split algorithm; pure Python (neither torch nor prefect).
-- `splitstage.storage`: URLs, storage options, credentials, fsspec I/O, safetensors headers.
+- `splitstage.process`: process helpers (leaving a process, liveness, trimming unused imports).
+- `splitstage.storage`: URLs, storage options, credentials, fsspec I/O, safetensors headers,
+  the run lease.
 - `splitstage.config`: the job config's typed groups and the family registry (torch-free).
 - `splitstage.data`: data sets: rows, images, buckets, the data index and its memos.
-- `splitstage.pipelines`: the family seam, shared recipe maths and one folder per family.
-- `splitstage.tasks`: the work as plain functions: plan, cache, stage1, stage2 (never prefect).
+- `splitstage.pipelines`: the family seam, shared recipe maths and one folder per family; a family
+  folder imports no other family folder, and the shared modules import none.
+- `splitstage.tasks`: the work as plain functions: plan, cache, stage1, stage2 (a rank), launch
+  (the lean launcher: it imports from stage2 only the run spec and the run's places, and no torch)
+  (never prefect).
 - `splitstage.flows`: Prefect flows, their task wrappers and artifacts.
-- the entry points (`splitstage.cli`, `splitstage.demo`, the tiny-model builders): anything.
+- the entry points (`splitstage.cli`, `splitstage.demo`): anything.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ ROOTS = {
 # The rooms, lowest first: each may import itself and those before it (module docstring).
 ROOMS = [
     "splitstage.splitter",
+    "splitstage.process",
     "splitstage.storage",
     "splitstage.config",
     "splitstage.data",
@@ -102,7 +108,6 @@ def test_every_module_lives_in_a_room():
         name
         for name in MODULES
         if name not in entry_points
-        and not name.startswith("splitstage.tiny_")
         and not any(name == room or name.startswith(room + ".") for room in ROOMS)
     ]
     assert not homeless, f"modules outside every room: {homeless}"
@@ -144,6 +149,35 @@ def test_only_the_demo_imports_the_demo():
     assert not wrong, "; ".join(wrong)
 
 
+PIPELINES = "splitstage.pipelines"
+# The family folders: each package directly under pipelines/ (demo, diffusers, diffsynth, ...).
+FAMILIES = sorted(
+    name
+    for name, path in MODULES.items()
+    if path.name == "__init__.py" and name.rpartition(".")[0] == PIPELINES
+)
+
+
+def family_of(name: str) -> str | None:
+    """The family folder a module is in, None for the shared seam and every other room."""
+    return next((f for f in FAMILIES if name == f or name.startswith(f + ".")), None)
+
+
+def test_no_family_imports_another_family():
+    """A family folder imports no other family folder (what two share lives in the shared
+    modules of pipelines/, e.g. lora_targets.py), and the shared modules import no family:
+    generic code calls the family the registry resolved."""
+    assert len(FAMILIES) >= 3, FAMILIES  # the scan sees the folders
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if name.startswith(PIPELINES + ".")
+        for target in targets
+        if family_of(target) not in (None, family_of(name))
+    ]
+    assert not wrong, "; ".join(wrong)
+
+
 def test_no_import_cycle():
     graph = {n: {t for t in ts if t in MODULES and t != n} for n, ts in GRAPH.items()}
     # A package's __init__ re-exports its modules: that edge is not a cycle of the code.
@@ -166,6 +200,38 @@ def test_no_import_cycle():
     for node in sorted(graph):
         if node not in state and (cycle := visit(node)):
             pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def eager_imports(name: str) -> set[str]:
+    """First-party modules the module-level import statements of `name` name (not those inside
+    functions or `if TYPE_CHECKING:`): what importing it loads first-hand."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}".rstrip(".")
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in MODULES}
+
+
+def test_the_plan_names_a_cache_without_the_cache_room():
+    """Importing the plan (which names the cache: its key) loads the fingerprints alone of the
+    cache room; the store and everything it reads come when a cache is opened (`open_cache`)."""
+    seen, todo = set(), ["splitstage.tasks.job_plan"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [m for m in eager_imports(name) if m != name]
+    cache = sorted(m for m in seen if m.startswith("splitstage.tasks.cache."))
+    assert cache == ["splitstage.tasks.cache.fingerprint"], cache
 
 
 def test_no_bare_top_level_names_are_installed(tmp_path):
@@ -226,3 +292,22 @@ def test_no_test_module_imports_another():
         for module in sorted(imported_test_modules(path))
     ]
     assert not wrong, "move shared code to tests/helpers/: " + "; ".join(wrong)
+
+
+LAUNCHER_ROOM = "splitstage.tasks.launch"
+LAUNCHER_MAY_READ = ("splitstage.tasks.stage2.run_spec", "splitstage.tasks.stage2.outputs")
+AGENT = "splitstage.tasks.launch.agent"  # torchrun's own process, started by the launcher
+
+
+def test_the_launcher_side_reads_only_the_ranks_contract():
+    """The launcher room (alive for the whole run, lean) imports from the rank's room only the
+    run spec and the run's places, and torch nowhere (but in torchrun's agent, its own process)."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith(LAUNCHER_ROOM) or name == AGENT:
+            continue
+        for imported in imports_of(path, name):
+            rank_side = imported.startswith("splitstage.tasks.stage2")
+            if (rank_side and imported not in LAUNCHER_MAY_READ) or imported.startswith("torch"):
+                found.append(f"{name} imports {imported}")
+    assert found == []

@@ -16,10 +16,10 @@ from pathlib import Path
 import filelock
 import pytest
 
-import splitstage.tasks.stage2.lease as lease_module
+import splitstage.storage.lease as lease_module
+from splitstage.process import liveness
 from splitstage.splitter import UserError
-from splitstage.tasks.stage2 import liveness
-from splitstage.tasks.stage2.lease import (
+from splitstage.storage.lease import (
     LEASE_NAME,
     LeaseInfo,
     RunLease,
@@ -123,7 +123,7 @@ def test_machine_and_process_start_do_not_move_with_the_wall_clock(
 ) -> None:
     # the kernel's boot time (hence psutil's create times) moves when NTP steps or slews the
     # clock; a holder and a checker of one boot must still agree on the machine and the start
-    script = "from splitstage.tasks.stage2 import liveness as l; print(l.machine_id())"
+    script = "from splitstage.process import liveness as l; print(l.machine_id())"
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     machine = child.stdout.strip()
     here = liveness.machine_id(), liveness.process_started(os.getpid())
@@ -135,7 +135,7 @@ def test_machine_and_process_start_do_not_move_with_the_wall_clock(
 
 
 def test_a_process_start_is_the_same_seen_from_inside_and_outside() -> None:
-    script = "import os, time; from splitstage.tasks.stage2 import liveness as l"
+    script = "import os, time; from splitstage.process import liveness as l"
     script += "; print(l.process_started(os.getpid()), flush=True); time.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

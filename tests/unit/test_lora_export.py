@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from safetensors import safe_open
 
 from splitstage.pipelines.diffusers import lora_export as le
-from splitstage.tiny_diffusers import build_pipeline
+from tests.helpers.tiny_diffusers import build_pipeline
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ import pytest
 
 import splitstage.tasks.cache.store as store_module
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.cache.switch_interval import shorter_switch_interval
+from splitstage.tasks.switch_interval import shorter_switch_interval
 from tests.helpers.cache_samples import make_samples
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitstage import tiny_diffusers
-from splitstage.tiny_diffusers import KINDS, write_tiny_folder
+from tests.helpers import tiny_diffusers
+from tests.helpers.tiny_diffusers import KINDS, write_tiny_folder
 
 PIPELINES = {
     "sd": "StableDiffusionPipeline",

@@ -17,6 +17,7 @@ from tiny import TP_PLAN, Results, Tiny, add_lora, init_buffers, reference_state
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from splitstage.process.leaving import leave
 from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
 from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import (
@@ -24,7 +25,6 @@ from splitstage.tasks.stage2.pretrained_weights import (
     WeightsFileNotFoundError,
     materialize_and_load,
 )
-from splitstage.tasks.stage2.process_exit import leave
 
 BATCH = 8
 LAYOUTS_BY_WORLD = {  # world size -> {mode: (dp_shard, tp)}

@@ -21,11 +21,11 @@ from tiny import TP_PLAN, Tiny, add_lora, init_buffers, reference_state
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from splitstage.process.leaving import leave
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from splitstage.tasks.stage2.distributed import build_mesh, init_distributed
 from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
-from splitstage.tasks.stage2.process_exit import leave
 
 
 def parse() -> argparse.Namespace:

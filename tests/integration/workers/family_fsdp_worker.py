@@ -22,11 +22,11 @@ from splitstage.config.job import config_from_dict
 from splitstage.data.dataset import load_metadata
 from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
+from splitstage.process.leaving import leave
+from splitstage.tasks.cache.validation_prompts import encode
 from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.stage1.validation_prompts import encode
 from splitstage.tasks.stage2.distributed import init_distributed
 from splitstage.tasks.stage2.models import build_stage2_models
-from splitstage.tasks.stage2.process_exit import leave
 from splitstage.tasks.stage2.validation import Validator
 
 STEPS = 3

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from splitstage.tasks.stage2.process_exit import leave
+from splitstage.process.leaving import leave
 
 
 def fail() -> None:

@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from splitstage.config.job import config_from_dict
+from splitstage.process.leaving import leave
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.distributed import init_distributed
 from splitstage.tasks.stage2.models import build_stage2_models
-from splitstage.tasks.stage2.process_exit import leave
 
 
 def main() -> None:

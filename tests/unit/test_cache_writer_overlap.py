@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.stage1.pipeline import Stage1Pipeline
+from splitstage.tasks.stage1.overlap import OverlappedRun
 from splitstage.tasks.stage1.preprocess import _write
 from splitstage.tasks.stage1.preprocess_report import ShardReport
 
@@ -40,8 +40,8 @@ class Ahead:
             raise KeyboardInterrupt
         self.written.append(number)
 
-    def pipeline(self, **kw) -> Stage1Pipeline:
-        return Stage1Pipeline(
+    def overlapped(self, **kw) -> OverlappedRun:
+        return OverlappedRun(
             load=lambda i: {"x": torch.full((2,), float(i))},
             compute=lambda samples: samples,
             prepare=self.prepare,
@@ -64,7 +64,7 @@ def stage1_threads() -> list[threading.Thread]:
 
 def test_prepared_shards_are_written_in_order_after_preparing_on_the_encoder():
     rec = Ahead()
-    rec.pipeline().run(rows(30))
+    rec.overlapped().run(rows(30))
     assert rec.written == list(range(10)) and rec.discarded == []
     assert rec.threads == {"stage1-encode"}
     assert not stage1_threads()
@@ -74,7 +74,7 @@ def test_prepared_shards_are_written_in_order_after_preparing_on_the_encoder():
 def test_prepared_shards_never_written_are_discarded(how):
     rec = Ahead(**{f"{how}_at": 3})
     with pytest.raises(OSError if how == "fail" else KeyboardInterrupt):
-        rec.pipeline(ahead=3).run(rows(300))
+        rec.overlapped(ahead=3).run(rows(300))
     assert rec.written == [0, 1]  # nothing after the failed one
     assert len(rec.prepared) < 15  # stopped promptly: at most `ahead` (+ the encoder's) beyond
     assert sorted(rec.written + rec.discarded) == [n for n in rec.prepared if n != 2]

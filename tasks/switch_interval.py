@@ -5,7 +5,9 @@ interval (5 ms by default). fsspec's I/O loop needs the GIL for every socket wri
 encoder thread holds it the upload stalls; V2 retakes the GIL around every torch op. Measured on
 the S3 writer over an 800 Mbit link: `write_shards` 0.80-0.84 of raw puts at 5 ms, 0.96-0.98
 at 0.1 ms (`bench/bench_cache.py`). Nested and concurrent users share one setting: the shortest
-asked for holds until the last one leaves, then the previous interval comes back.
+asked for holds until the last one leaves, then the previous interval comes back. The setting
+is the whole process's (the interpreter has one): its users are the cache store's batched writes
+(`CacheStore.write_shards`) and stage 1's overlapped run (`stage1.overlap`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ a small Qwen2.5-VL text encoder with a cut vocabulary, QwenImageVAE at width 8),
 safetensors files that
 DiffSynth's own loader reads. The small classes reuse DiffSynth's blocks; units hard-code 16 latent
 channels and an 8x downsample, which the VAEs keep. `register_entries(...)` gives the
-`[pipeline] register_models` entries (the hash is computed by DiffSynth from the file). Needs
-diffsynth installed (the side environment, see docs/families/diffsynth.md).
+`[pipeline] register_models` entries (the hash is computed by DiffSynth from the file); they name
+the classes as `tests.helpers.tiny_diffsynth.<class>`, so every process that loads the files must
+find `tests` (started from the checkout's root, as the tests' ranks are; the benches put it on
+PYTHONPATH). Needs diffsynth installed (the side environment, see docs/families/diffsynth.md).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
 from diffsynth.models.z_image_text_encoder import ZImageTextEncoder
 from safetensors.torch import save_file
 
-from splitstage.tiny_diffusers import qwen_tokenizer, t5_tokenizer
+from tests.helpers.tiny_diffusers import qwen_tokenizer, t5_tokenizer
 
-MODULE = "splitstage.tiny_diffsynth"
+MODULE = __name__  # the written entries name the classes by this import path
 TEXT_DIM = 32
 VAE_DIM = 32
 CHAT_TEMPLATE = (
@@ -314,7 +316,7 @@ def zimage_tokenizer(folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from splitstage.tiny_diffusers import _byte_symbols
+    from tests.helpers.tiny_diffusers import _byte_symbols
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {s: i for i, s in enumerate(_byte_symbols())}

@@ -23,10 +23,10 @@ from typing import Any
 
 from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segment
 from splitstage.splitter import UserError
-from splitstage.tasks.stage2.lease import RunLease
+from splitstage.storage.lease import RunLease
+from splitstage.tasks.launch.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 from splitstage.tasks.stage2.outputs import ERROR_FILE, SET_UP, RunPlaces, check_outputs, run_places
 from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
-from splitstage.tasks.stage2.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 
 WORKER_MODULE = "splitstage.tasks.stage2.worker"
 

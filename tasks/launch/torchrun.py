@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from splitstage.tasks.stage2.liveness import kill_tree, process_started, snapshot_tree
+from splitstage.process.liveness import kill_tree, process_started, snapshot_tree
 
 DEFAULT_RDZV_ID = "splitstage"
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
@@ -54,7 +54,7 @@ ONE_RANK_ENV = {
     "ROLE_WORLD_SIZE": "1",
 }
 _ELASTIC_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
-AGENT_MODULE = "splitstage.tasks.stage2.agent"  # torchrun that always exits
+AGENT_MODULE = "splitstage.tasks.launch.agent"  # torchrun that always exits
 AGENT_LOG = "torchrun.log"  # in the log dir: every line of the run, torchrun's own report too
 
 

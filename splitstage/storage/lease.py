@@ -41,10 +41,11 @@ from typing import Any, NamedTuple
 import filelock
 from fsspec.asyn import sync
 
+from splitstage.process import liveness
 from splitstage.splitter import UserError
 from splitstage.storage import files as storage
-from splitstage.tasks.stage2 import liveness
-from splitstage.tasks.stage2.outputs import LEASE_NAME
+
+LEASE_NAME = "LEASE.json"  # in each leased place: who holds the run
 
 log = logging.getLogger(__name__)
 

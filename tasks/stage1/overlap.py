@@ -1,4 +1,4 @@
-"""Stage 1 as an overlapped pipeline: decode on threads, V2 on the caller, write in the background.
+"""Stage 1, overlapped: decode on threads, V2 on the caller, encode and write in the background.
 
 Decoding and resizing (`load`) run on a small thread pool (PIL and zlib release the GIL), at most
 `prefetch` samples ahead; results are taken in `todo` order, so everything downstream depends on
@@ -15,7 +15,7 @@ commits, and the commits stay one at a time, in order (so a kill after N commits
 Memory: the prefetch window, the pending groups, a shard being filled and `max_shards` + 1 shards
 (+ up to `ahead` + 2 prepared ones, uploading).
 
-Errors: a writer failure stops the pipeline at the next batch and is raised on the caller; a
+Errors: a writer failure stops the run at the next batch and is raised on the caller; a
 failure on the caller (an undecodable row without `skip_bad_rows`, a unit error) lets the writer
 commit the shards already queued, then is raised; KeyboardInterrupt drops them (prepared ones go
 to `discard`). Either way the decode pool and the writer's threads are stopped and joined before
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from splitstage.data.dataset import DataError
-from splitstage.tasks.cache.switch_interval import shorter_switch_interval
+from splitstage.tasks.switch_interval import shorter_switch_interval
 
 Record = dict[str, Any]
 _DONE = object()
@@ -54,7 +54,7 @@ def signature(sample: Record) -> tuple:
 
 
 @dataclass
-class Stage1Pipeline:
+class OverlappedRun:
     """The callables and bounds of one stage-1 run (see the module docstring)."""
 
     load: Callable[[Any], Record]  # row -> decoded sample (DataError when it cannot be decoded)
@@ -76,7 +76,7 @@ class Stage1Pipeline:
     ahead: int = 2  # prepared shards waiting for `write`
     # V2 releases and retakes the GIL around every torch op; with the default 5 ms switch
     # interval a decode or writer thread holding it stalls each op (measured: the overlapped
-    # run slower than the serial loop). Lowered while the pipeline runs, then restored.
+    # run slower than the serial loop). Lowered while the run lasts, then restored.
     switch_interval: float = 0.0005
 
     def run(self, todo: Sequence[tuple[Any, str]]) -> None:

@@ -1,4 +1,4 @@
-"""The overlapped stage-1 pipeline with stand-in load/compute/write: order, grouping, errors."""
+"""The overlapped stage-1 run with stand-in load/compute/write: order, grouping, errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitstage.data.dataset import DataError
-from splitstage.tasks.stage1.pipeline import Stage1Pipeline, signature
+from splitstage.tasks.stage1.overlap import OverlappedRun, signature
 
 
 def sample(index: int) -> dict:
@@ -30,7 +30,7 @@ def rows(n: int) -> list[tuple[int, str]]:
 
 
 class Recorder:
-    """Stand-ins that record what the pipeline did."""
+    """Stand-ins that record what the run did."""
 
     def __init__(self, jitter: float = 0.0, bad: set[int] = frozenset(), fail_shard: int = 0):
         self.jitter, self.bad, self.fail_shard = jitter, bad, fail_shard
@@ -60,9 +60,9 @@ class Recorder:
             raise OSError("the endpoint went away")
         self.shards.append(list(shard))
 
-    def pipeline(self, **kw) -> Stage1Pipeline:
+    def overlapped(self, **kw) -> OverlappedRun:
         kw = {"batch_size": 4, "shard_samples": 6, "decode_threads": 3, **kw}
-        return Stage1Pipeline(load=self.load, compute=self.compute, write=self.write, **kw)
+        return OverlappedRun(load=self.load, compute=self.compute, write=self.write, **kw)
 
 
 def stage1_threads() -> list[threading.Thread]:
@@ -72,7 +72,7 @@ def stage1_threads() -> list[threading.Thread]:
 def test_batches_hold_one_shape_and_every_partial_group_runs_at_the_end():
     rec = Recorder()
     done = []
-    rec.pipeline(on_done=done.append).run(rows(11))
+    rec.overlapped(on_done=done.append).run(rows(11))
     assert all(len(set(batch)) == 1 for batch in rec.batches)
     assert [len(b) for b in rec.batches] == [4, 4, 2, 1]  # 6 even rows, 5 odd: full, then tails
     written = [k for shard in rec.shards for k in shard]
@@ -84,18 +84,18 @@ def test_batches_hold_one_shape_and_every_partial_group_runs_at_the_end():
 
 def test_shards_depend_on_the_todo_order_only_not_on_thread_timing():
     reference = Recorder()
-    reference.pipeline(decode_threads=1).run(rows(40))
+    reference.overlapped(decode_threads=1).run(rows(40))
     for seed in range(3):
         random.seed(seed)
         jittery = Recorder(jitter=0.003)
-        jittery.pipeline(decode_threads=4).run(rows(40))
+        jittery.overlapped(decode_threads=4).run(rows(40))
         assert jittery.shards == reference.shards
         assert jittery.batches == reference.batches
 
 
 def test_too_many_waiting_samples_run_the_largest_group_first():
     rec = Recorder()
-    rec.pipeline(batch_size=8, max_pending=5).run(rows(12))
+    rec.overlapped(batch_size=8, max_pending=5).run(rows(12))
     assert [len(b) for b in rec.batches] == [3, 4, 3, 2]  # 6 waiting > 5: the largest (first) goes
     assert sum(len(b) for b in rec.batches) == 12
 
@@ -104,7 +104,7 @@ def test_bad_row_raises_naming_it_after_committing_the_queued_shards():
     rec = Recorder(bad={30})
     interval = sys.getswitchinterval()
     with pytest.raises(DataError, match="row 32"):
-        rec.pipeline().run(rows(200))
+        rec.overlapped().run(rows(200))
     assert sys.getswitchinterval() == interval  # lowered while running, restored
     assert rec.shards and all(len(s) == 6 for s in rec.shards)  # full shards before the error
     assert rec.loaded < 60  # stopped promptly: decoding ran a window ahead, no more
@@ -114,7 +114,7 @@ def test_bad_row_raises_naming_it_after_committing_the_queued_shards():
 def test_bad_rows_are_skipped_and_reported_with_skip_bad_rows():
     rec = Recorder(bad={3, 8})
     skipped, done = [], []
-    rec.pipeline(
+    rec.overlapped(
         skip_bad_rows=True, on_skip=lambda k, e: skipped.append(k), on_done=done.append
     ).run(rows(12))
     assert skipped == ["0003", "0008"]
@@ -122,10 +122,10 @@ def test_bad_rows_are_skipped_and_reported_with_skip_bad_rows():
     assert sum(done) == 12
 
 
-def test_a_failed_write_stops_the_pipeline_and_is_raised_on_the_caller():
+def test_a_failed_write_stops_the_run_and_is_raised_on_the_caller():
     rec = Recorder(fail_shard=2)
     with pytest.raises(OSError, match="endpoint went away"):
-        rec.pipeline().run(rows(400))
+        rec.overlapped().run(rows(400))
     assert len(rec.shards) == 1
     assert rec.loaded < 100
     assert not stage1_threads()
@@ -141,7 +141,7 @@ def test_interrupt_drops_queued_shards_and_stops_the_threads():
             raise KeyboardInterrupt
         return rec.compute(samples)
 
-    pipe = rec.pipeline()
+    pipe = rec.overlapped()
     pipe.compute = compute
     with pytest.raises(KeyboardInterrupt):
         pipe.run(rows(100))
@@ -166,7 +166,7 @@ def test_memory_stays_bounded_by_the_window_and_the_queue():
         computed.extend(samples)
         return rec.compute(samples)
 
-    pipe = rec.pipeline(decode_threads=2, prefetch=6)
+    pipe = rec.overlapped(decode_threads=2, prefetch=6)
     pipe.load, pipe.write, pipe.compute = load, slow_write, compute
     pipe.run(rows(120))
     assert len(rec.shards) == 20

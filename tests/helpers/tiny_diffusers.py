@@ -5,7 +5,7 @@
 checkpoint of that family (model_index.json, one subfolder per component, tokenizers, scheduler
 config), with components 1000x or more smaller, so tests and demos load, split and train real
 diffusers/transformers classes in seconds without the network. Run
-`python -m splitstage.tiny_diffusers KIND FOLDER [--seed N] [--max-shard-size S]` to write one.
+`python -m tests.helpers.tiny_diffusers KIND FOLDER [--seed N] [--max-shard-size S]` to write one.
 """
 
 from __future__ import annotations
@@ -573,7 +573,7 @@ def write_tiny_folder(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: write one tiny folder and print its path."""
-    parser = argparse.ArgumentParser(prog="python -m splitstage.tiny_diffusers")
+    parser = argparse.ArgumentParser(prog="python -m tests.helpers.tiny_diffusers")
     parser.add_argument("kind", choices=ALL_KINDS)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=0)
