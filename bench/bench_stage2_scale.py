@@ -217,7 +217,8 @@ def first_batch(root: str, samples_file: str | None) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     store = CacheStore(root, CACHE_KEY)
-    source = CachedBatches(config, store, rank, world, keys=KeyTable.load(samples_file) if samples_file else None)
+    keys = KeyTable.load(samples_file) if samples_file else None
+    source = CachedBatches(config, store, rank, world, keys=keys)
     batch = next(iter(source.iterate(0)))
     t_first = time.time()
     return {

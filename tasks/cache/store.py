@@ -29,6 +29,7 @@ import numpy as np
 import splitstage.storage.files as st
 import splitstage.tasks.cache.manifest as mf
 import splitstage.tasks.cache.shard_format as fmt
+from splitstage.process.switch_interval import shorter_switch_interval
 from splitstage.storage.files import storage_errors, write_chains
 from splitstage.tasks.cache.cache_errors import CacheCorruptError, SampleNotCachedError
 from splitstage.tasks.cache.compact_index import CompactIndex, IndexBuilder, release_freed_memory
@@ -39,7 +40,6 @@ from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChecks
 from splitstage.tasks.cache.side_records import SideRecords
 from splitstage.tasks.cache.write_ahead import PreparedShard, WriteAhead
-from splitstage.tasks.switch_interval import shorter_switch_interval
 
 _INDEX_BATCH = 1024  # index entries per batched read (bounds the bytes held at once)
 WRITE_SWITCH_INTERVAL = 0.0001  # s: best of 5 / 0.5 / 0.1 ms for write_shards (switch_interval)

@@ -1,8 +1,11 @@
-"""Stage 1, overlapped: decode on threads, V2 on the caller, encode and write in the background.
+"""Stage 1, overlapped: load on threads, V2 on the caller, encode and write in the background.
 
-Decoding and resizing (`load`) run on a small thread pool (PIL and zlib release the GIL), at most
+Loading (`load`: reading the bytes, decoding, resizing) runs on a small thread pool, at most
 `prefetch` samples ahead; results are taken in `todo` order, so everything downstream depends on
-that order alone, never on thread timing. Decoded samples are grouped by their shape signature
+that order alone, never on thread timing. The threads overlap storage reads and resizing (Pillow
+releases the GIL) with V2; decoding is serialised per process (`data.images.open_image`'s lock:
+Python's warnings filters are process-wide), so decoding in parallel takes worker processes.
+Decoded samples are grouped by their shape signature
 (`signature`): a group runs through V2 (`compute`, on the calling thread, where torch's no_grad
 and device live) when it holds `batch_size` samples, when the groups together hold more than
 `max_pending` samples (the largest goes first), and at the end (in the order the groups began).
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 
 from splitstage.data.dataset import DataError
-from splitstage.tasks.switch_interval import shorter_switch_interval
+from splitstage.process.switch_interval import shorter_switch_interval
 
 Record = dict[str, Any]
 _DONE = object()

@@ -267,7 +267,9 @@ def overlapped_run(
 
 
 def _decode_threads() -> int:
-    """Decode threads per worker: SPLITSTAGE_DECODE_THREADS, else 2 (PIL decodes off the GIL)."""
+    """Load threads per worker: SPLITSTAGE_DECODE_THREADS, else 2. They overlap reading the
+    bytes (storage I/O) and resizing with the rest of stage 1; decoding itself is one at a time
+    per process (`data.images.open_image` holds a lock): more decoding needs more `--workers`."""
     value = os.environ.get("SPLITSTAGE_DECODE_THREADS", "2")
     if not value.isdigit() or int(value) < 1:
         raise UserError(f"SPLITSTAGE_DECODE_THREADS={value!r}: give a whole number >= 1")

@@ -18,6 +18,8 @@ import pytest
 from tests.helpers import catalogue
 from tests.helpers.catalogue import check_one_line, config_text, run_cli
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 assets = catalogue.assets  # the shared module-scoped fixture
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,6 +27,8 @@ from tests.helpers.cache_samples import (
     run_writer_processes,
 )
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 
 def test_round_trip_on_s3(s3_bucket):
     url, options = s3_bucket

@@ -19,6 +19,8 @@ from splitstage.tasks.cache.store import CacheStore
 from tests.helpers.cache_samples import key_of, make_samples
 from tests.helpers.cache_writer import overlapped_run
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -10,6 +10,8 @@ from splitstage.config.job import load_config
 from tests.helpers import catalogue
 from tests.helpers.catalogue import check_one_line, cli, config_text
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 assets = catalogue.assets  # the shared module-scoped fixture
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,6 +21,8 @@ from tests.helpers.tiny_job import make_workspace, tiny_config
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
 
 

@@ -26,6 +26,8 @@ from splitstage.tasks.stage1.preprocess import preprocess
 from tests.helpers import preprocess_job
 from tests.helpers.preprocess_job import make_config
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 assets = preprocess_job.assets  # the shared module-scoped fixture
 
 ROOT = Path(__file__).resolve().parents[2]

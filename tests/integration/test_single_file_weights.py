@@ -26,6 +26,8 @@ from tests.helpers.tiny_diffusers import write_tiny_folder
 from tests.helpers.toml_job import toml
 from tests.helpers.weight_loads import weight_loads
 
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 WORKER = Path(__file__).parent / "workers" / "single_file_worker.py"
 ROOT = Path(__file__).resolve().parents[2]

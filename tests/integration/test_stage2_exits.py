@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts servers or processes (docs/tests.md)
+
 LEAVE = (
     "import sys\n"
     "from splitstage.process.leaving import leave\n"

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import splitstage.tasks.cache.store as store_module
+from splitstage.process.switch_interval import shorter_switch_interval
 from splitstage.tasks.cache.store import CacheStore
-from splitstage.tasks.switch_interval import shorter_switch_interval
 from tests.helpers.cache_samples import make_samples
 
 
