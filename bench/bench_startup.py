@@ -155,11 +155,11 @@ def role(proc: psutil.Process, launcher: int) -> str:
         line = " ".join(proc.cmdline())
     except psutil.Error:
         return "other"
-    if "splitstage.tasks.launch.agent" in line:  # its arguments name the worker module too
+    if "torchrun_agent" in line or "stage2.agent" in line:  # its arguments name the worker too
         return "agent"
     if "splitstage.tasks.stage2.worker" in line:
         return "rank"
-    if "splitstage.tasks.stage2.prepare" in line:
+    if "splitstage.tasks.stage2.prepare" in line:  # trees with a set-up child (before issue 34)
         return "set-up"
     return "other"
 

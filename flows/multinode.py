@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.process.torchrun import build_command
 from splitstage.tasks.launch.launcher import torchrun_spec
-from splitstage.tasks.launch.torchrun import build_command
 
 ENV_NNODES = "SPLITSTAGE_NNODES"
 ENV_NPROC_PER_NODE = "SPLITSTAGE_NPROC_PER_NODE"

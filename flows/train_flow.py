@@ -29,9 +29,9 @@ from splitstage.flows.cancel import cancel_event, stop_training
 from splitstage.flows.multinode import apply_node_env
 from splitstage.flows.task_wrappers import plan_job, train_task
 from splitstage.flows.versioned_outputs import current_version, run_id_for, warm_start, write_latest
+from splitstage.process.torchrun import TorchrunError
 from splitstage.storage.files import join, write_atomic
 from splitstage.tasks.launch.launcher import TrainReport
-from splitstage.tasks.launch.torchrun import TorchrunError
 from splitstage.tasks.stage2.outputs import open_output
 from splitstage.tasks.stage2.run_records import read_metrics
 

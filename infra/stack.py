@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from splitstage.tasks.launch.torchrun import free_port
+from splitstage.process.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK_ID_ENV = "SPLITSTAGE_STACK_ID"

@@ -158,8 +158,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Stage 2: launch torchrun for this node, stream its output, print a summary."""
     from splitstage.config.job import load_config
+    from splitstage.process.torchrun import TorchrunError
     from splitstage.tasks.launch.launcher import train
-    from splitstage.tasks.launch.torchrun import TorchrunError
 
     config = load_config(args.config)
     if args.nproc_per_node:

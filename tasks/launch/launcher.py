@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from splitstage.config.job import ConfigError, SplitstageConfig, check_path_segment
+from splitstage.process.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 from splitstage.splitter import UserError
 from splitstage.storage.lease import RunLease
-from splitstage.tasks.launch.torchrun import TorchrunError, TorchrunSpec, run_torchrun
 from splitstage.tasks.stage2.outputs import ERROR_FILE, SET_UP, RunPlaces, check_outputs, run_places
 from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
 

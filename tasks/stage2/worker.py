@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m splitstage.tasks.stage2.worker RUN_DIR/spec.json
 
-(A one-process job runs the same command without torchrun's agent: `tasks/launch/torchrun.py`.)
+(A one-process job runs the same command without torchrun's agent:
+`splitstage/process/torchrun.py`.)
 The set-up (`rank_setup.set_up_rank`: plan, checks on rank 0, the split every rank agrees on)
 runs before any weight loads; a refusal there is left in RUN_DIR/error.json for the launcher to
 say once. A rank that stops later on bad input (a `UserError`: a diverged loss, a cache it cannot

@@ -74,7 +74,7 @@ REFUSING_RANK = (
 
 
 def test_a_rank_refusal_shows_the_rank_line_and_logs_torchruns_report(tmp_path):
-    from splitstage.tasks.launch.torchrun import AGENT_LOG, TorchrunSpec, run_torchrun
+    from splitstage.process.torchrun import AGENT_LOG, TorchrunSpec, run_torchrun
 
     script = tmp_path / "rank.py"
     script.write_text(REFUSING_RANK)
@@ -91,7 +91,7 @@ def test_a_rank_refusal_shows_the_rank_line_and_logs_torchruns_report(tmp_path):
 
 
 def test_an_agent_traceback_that_is_not_a_failed_child_is_shown(tmp_path):
-    from splitstage.tasks.launch.torchrun import AgentReport
+    from splitstage.process.torchrun import AgentReport
 
     shown: list[str] = []
     report = AgentReport(str(tmp_path / "torchrun.log"), shown.append)

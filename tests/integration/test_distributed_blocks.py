@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from splitstage.process.liveness import is_alive
-from splitstage.tasks.launch.torchrun import (
+from splitstage.process.torchrun import (
     TorchrunError,
     TorchrunSpec,
     build_command,
@@ -385,7 +385,7 @@ def test_a_one_process_job_runs_without_the_agent_and_fails_as_under_torchrun(mo
     assert not spec.uses_agent
     assert TorchrunSpec("w.py", nproc_per_node=1, max_restarts=1).uses_agent
     result = run_torchrun(spec, timeout=60)
-    assert "splitstage.tasks.launch.agent" not in " ".join(result.command)
+    assert "splitstage.process.torchrun_agent" not in " ".join(result.command)
     assert not result.ok and result.returncode == 1
     assert result.failed_rank == 0 and result.failed_local_rank == 0
     assert "ValueError: boom-rank0" in result.error

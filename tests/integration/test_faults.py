@@ -24,12 +24,12 @@ from safetensors.torch import load_file
 from splitstage.config.job import config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.pipelines.demo.weight_files import build_demo_weights
+from splitstage.process.torchrun import TorchrunError, free_port
 from splitstage.splitter import UserError
 from splitstage.storage.files import StorageError
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.job_plan import make_plan, open_cache
 from splitstage.tasks.launch.launcher import train
-from splitstage.tasks.launch.torchrun import TorchrunError, free_port
 from splitstage.tasks.stage1.preprocess import preprocess
 
 pytestmark = pytest.mark.slow

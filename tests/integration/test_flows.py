@@ -272,7 +272,7 @@ def test_cancelling_training_ends_the_torchrun_process_tree(prefect_harness, tin
     runner.start()
     flow_run_id = wait_for_training_processes(timeout=90)
     tree = training_processes()
-    assert any("splitstage.tasks.launch.agent" in command(p) for p in tree)
+    assert any("splitstage.process.torchrun_agent" in command(p) for p in tree)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
     runner.join(timeout=60)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from splitstage.process.torchrun import TorchrunSpec, run_torchrun
 from splitstage.tasks.launch.launcher import train
-from splitstage.tasks.launch.torchrun import TorchrunSpec, run_torchrun
 from splitstage.tasks.stage2.outputs import run_places
 from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
 from tests.helpers.tiny_job import make_workspace, tiny_config

@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from splitstage.config.job import ConfigError
+from splitstage.process.torchrun import TorchrunError
 from splitstage.splitter import UserError
 from splitstage.tasks.launch.launcher import train, user_error
-from splitstage.tasks.launch.torchrun import TorchrunError
 from splitstage.tasks.stage2.distributed import close_distributed
 from splitstage.tasks.stage2.preflight import StaleCacheError
 from splitstage.tasks.stage2.run_spec import RunSpecError
@@ -144,11 +144,11 @@ def test_one_road_no_other_python_process(workspace, nproc, processes):
     report = train(config, run_root=workspace / "runs", env=ENV, on_line=look)
     assert report.updates == 2 and report.world_size == nproc
     assert len(seen[0]) == processes, seen
-    ranks = [line for line in seen[0] if "launch.agent" not in line]
+    ranks = [line for line in seen[0] if "torchrun_agent" not in line]
     assert len(ranks) == nproc and all("-m splitstage.tasks.stage2.worker" in r for r in ranks)
 
 
-@pytest.mark.parametrize(("nproc", "started"), [(1, "stage2.worker"), (2, "launch.agent")])
+@pytest.mark.parametrize(("nproc", "started"), [(1, "stage2.worker"), (2, "torchrun_agent")])
 def test_cancelling_during_set_up_ends_the_ranks(workspace, nproc, started):
     cancel = threading.Event()
     cancel.set()

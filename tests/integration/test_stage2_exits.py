@@ -48,7 +48,7 @@ def test_a_rank_shows_its_python_stack_if_a_signal_kills_it():
 AGENT_WITH_A_THREAD_LEFT = (
     "import sys, threading\n"
     "import torch.distributed.run as torchrun\n"
-    "from splitstage.tasks.stage2 import agent\n"
+    "from splitstage.process import torchrun_agent as agent\n"
     "def main(args):\n"  # torchrun returns, a thread it started still waiting (its log tails)
     "    threading.Thread(target=threading.Event().wait).start()\n"
     "    raise SystemExit(int(args[0]))\n"
@@ -72,7 +72,7 @@ def test_the_torchrun_agent_exits_with_its_code_though_a_thread_is_left():
 def test_the_torchrun_agent_runs_torchrun(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'])\nsys.exit(0)\n")
-    agent = [sys.executable, "-m", "splitstage.tasks.launch.agent", "--standalone"]
+    agent = [sys.executable, "-m", "splitstage.process.torchrun_agent", "--standalone"]
     ok = subprocess.run(
         [*agent, "--nproc-per-node=1", str(script)], capture_output=True, text=True, timeout=120
     )

@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file
 
 from splitstage.config.job import ConfigError
+from splitstage.process.torchrun import TorchrunError
 from splitstage.tasks.launch.launcher import train
-from splitstage.tasks.launch.torchrun import TorchrunError
 from tests.helpers.tiny_job import make_workspace, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_checkpoints_and_outputs_on_s3(workspace, s3_bucket, monkeypatch):
 
 
 def test_two_torchrun_agents_form_one_two_node_job(workspace):
-    from splitstage.tasks.launch.torchrun import free_port
+    from splitstage.process.torchrun import free_port
 
     config = make_config(
         workspace, "nodes", nnodes=2, nproc_per_node=1, rdzv_endpoint=f"127.0.0.1:{free_port()}"

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from splitstage.config.job import ConfigError, TrainConfig
+from splitstage.process.torchrun import TorchrunError
 from splitstage.tasks.launch.launcher import train
-from splitstage.tasks.launch.torchrun import TorchrunError
 from splitstage.tasks.stage2 import optimization
 from splitstage.tasks.stage2.optimization import check_update_rule, clip_gradients
 from splitstage.tasks.stage2.run_records import launches, read_metrics

@@ -54,7 +54,7 @@ ONE_RANK_ENV = {
     "ROLE_WORLD_SIZE": "1",
 }
 _ELASTIC_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/elastic/")
-AGENT_MODULE = "splitstage.tasks.launch.agent"  # torchrun that always exits
+AGENT_MODULE = "splitstage.process.torchrun_agent"  # torchrun that always exits
 AGENT_LOG = "torchrun.log"  # in the log dir: every line of the run, torchrun's own report too
 
 

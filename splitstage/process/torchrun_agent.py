@@ -1,4 +1,4 @@
-"""torchrun's elastic agent, made to always exit: `python -m splitstage.tasks.launch.agent ARGS`
+"""torchrun's elastic agent, made to always exit: `python -m splitstage.process.torchrun_agent ARGS`
 is `torchrun ARGS` ending in os._exit once torchrun's main returns or raises.
 
 Measured here: when the agent is SIGTERMed (its launcher died, PR_SET_PDEATHSIG) its shutdown can
