@@ -41,20 +41,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENTRIES = {  # row: candidate (module, qualname, carrier params) lists, the first one found wins
     "launcher: launch.train": [
-        [("splitstage.tasks.launch.launcher", "train", {"config"})],
+        [("splitstage.tasks.launch.launcher", "train", {"config"})],  # one road (issue 34)
+        [("splitstage.tasks.stage2.launch", "train", {"config"})],
         [("splitstage.tasks.launch", "train", {"config"})],
     ],
-    "launcher + prepare child": [
+    "launcher + prepare child": [  # trees with a set-up child (issues 25 to 34)
         [
-            ("splitstage.tasks.launch.launcher", "train", {"config"}),
+            ("splitstage.tasks.stage2.launch", "train", {"config"}),
             ("splitstage.tasks.stage2.prepare", "prepare", {"config"}),
         ]
     ],
-    "rank: Trainer(spec).run()": [  # the same in trees where the worker reads the spec itself
+    "rank: set-up, Trainer(...).run()": [
+        [  # one road: the rank sets up once, the trainer takes what it made
+            ("splitstage.tasks.stage2.rank_setup", "set_up_rank", {"spec"}),
+            ("splitstage.tasks.stage2.trainer", "Trainer.__init__", {"setup"}),
+            ("splitstage.tasks.stage2.trainer", "Trainer.run", set()),
+        ],
         [
             ("splitstage.tasks.stage2.trainer", "Trainer.__init__", {"spec"}),
             ("splitstage.tasks.stage2.trainer", "Trainer.run", set()),
-        ]
+        ],
     ],
 }
 
