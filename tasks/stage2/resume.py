@@ -14,9 +14,9 @@ under `IDENTITY`, computed by the launcher before launch (`run_identity`), so ev
 carries it (`Trainer.save` writes the settings) and the export's metadata names it. Each model is
 named by the content fingerprint the cache key uses (`JobPlan.model_fingerprint`: weights files
 hashed once, memoized by path, size and mtime), so a resume on another file with the same
-architecture is refused before launch, naming both, as is one on another family. A checkpoint
-written before identities were recorded still resumes, with a warning that its base could not be
-checked.
+architecture is refused before training, naming both, as is one on another family. Every
+checkpoint splitstage writes records both; one that does not (another tool's, or damaged) is
+refused, not resumed unchecked.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def compare(
     saved: dict[str, Any] | None, now: dict[str, Any], *, step: int, checkpoint_url: str
 ) -> list[str]:
     """Refuse fixed-setting changes (one line); return what will be applied, one line each."""
-    if not saved:  # a checkpoint written before settings were recorded
-        return [f"checkpoint step {step} records no settings; resuming without comparing them"]
+    if not saved:
+        raise ResumeConfigError(unrecorded(step, "settings", checkpoint_url))
     changed = [k for k in FIXED if k in saved and saved[k] != now.get(k)]
     if changed:
         what = "; ".join(f"{FIXED[k]}: {saved[k]!r} -> {now.get(k)!r}" for k in changed)
@@ -135,6 +135,15 @@ def _model(entry: Mapping[str, Any]) -> str:
     return f"{entry.get('source')} (sha256 {str(entry.get('fingerprint'))[:_SHOWN]})"
 
 
+def unrecorded(step: int, what: str, checkpoint_url: str) -> str:
+    """The line refusing a checkpoint that does not record `what`."""
+    return (
+        f"checkpoint step {step} under {checkpoint_url} records no {what}: "
+        "splitstage records them in every checkpoint, so this one was written by another tool or "
+        f"is damaged; start fresh with another --run-id (or delete {checkpoint_url})"
+    )
+
+
 def check_resume_identity(
     saved_settings: Mapping[str, Any] | None,
     current: Mapping[str, Any],
@@ -142,15 +151,11 @@ def check_resume_identity(
     step: int,
     checkpoint_url: str,
 ) -> list[str]:
-    """Refuse (one line) a checkpoint made on another family, pipeline or base weights; a
-    checkpoint that records none resumes with one warning line, returned."""
+    """Refuse (one line) a checkpoint made on another family, pipeline or base weights, or one
+    that records none (not written by splitstage, or damaged)."""
     saved = (saved_settings or {}).get(IDENTITY)
     if not saved:
-        return [
-            f"checkpoint step {step} records no base weights or family (written before they "
-            f"were recorded): the base could not be checked; resuming on the {current['family']}"
-            " family with the weights this config names"
-        ]
+        raise ResumeConfigError(unrecorded(step, "family or base weights", checkpoint_url))
     fresh = f"or start fresh with another --run-id (or delete {checkpoint_url})"
     if (saved.get("family"), saved.get("pipeline")) != (current["family"], current["pipeline"]):
         raise ResumeConfigError(

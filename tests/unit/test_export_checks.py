@@ -108,7 +108,7 @@ def identity(family: str = "sd", **fingerprints: str) -> dict:
     return {"family": family, "pipeline": family, "models": models}
 
 
-def test_resume_identity_refuses_another_family_or_base_and_warns_when_unknown():
+def test_resume_identity_refuses_another_family_or_base_or_none_recorded():
     where = {"step": 2, "checkpoint_url": "/ckpt"}
     assert check_resume_identity({"base": identity()}, identity(), **where) == []
     with pytest.raises(ResumeConfigError) as error:
@@ -120,6 +120,8 @@ def test_resume_identity_refuses_another_family_or_base_and_warns_when_unknown()
     message = str(error.value)
     assert "unet: trained on /w/unet.safetensors (sha256 aaaaaaaaaaaa)" in message
     assert "now /w/unet.safetensors (sha256 bbbbbbbbbbbb)" in message and "\n" not in message
-    for old in (None, {"seed": 0}):  # written before settings, or before the identity
-        (warning,) = check_resume_identity(old, identity(), **where)
-        assert "the base could not be checked" in warning
+    for foreign in (None, {"seed": 0}):  # no settings, or no identity: not splitstage's
+        with pytest.raises(
+            ResumeConfigError, match=r"step 2 under /ckpt records no family or base"
+        ):
+            check_resume_identity(foreign, identity(), **where)
