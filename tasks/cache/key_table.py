@@ -4,33 +4,25 @@ Keys that all have one even length in lowercase hex (sha256 sample keys) are pac
 per byte (32 bytes a key); other names are kept as ASCII padded with NUL (names never hold NUL).
 Both sort as the str keys sort, so look-ups are `np.searchsorted` and the seeded epoch order is
 that of `sorted(keys)`. Files are Parquet (`storage.parquet_columns`: the keys' bytes end to end,
-the encoding, width and count as schema metadata, a CRC-32 on every page), never pickle. Files of
-the earlier safetensors format (a uint8 [N, width] tensor; a cache manifest's samples file written
-before the change) are still read, with the same checks; a table is always written as Parquet.
+the encoding, width and count as schema metadata, a CRC-32 on every page), never pickle.
 """
 
 from __future__ import annotations
 
 import binascii
 import hashlib
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 import numpy as np
-from safetensors.numpy import load as st_load
 
 from splitstage.splitter import UserError
 from splitstage.storage.parquet_columns import ColumnFile, write_columns
-from splitstage.storage.safetensors_io import read_metadata
 
 FORMAT = "splitstage-keys-v2"
-SUFFIX = ".parquet"  # for the names of key files written from now on
-_PARQUET = b"PAR1"  # a Parquet file's first bytes; anything else is read as the old format
-_OLD_FORMAT = 1  # the safetensors files' format, under this metadata key:
-_META = "splitstage-keys"
+SUFFIX = ".parquet"  # key files' names end so
 _NAME_RE = re.compile(r"^[A-Za-z0-9_=-][A-Za-z0-9_.=-]*$")  # as shard_format's sample keys
 
 
@@ -224,14 +216,14 @@ class KeyTable(Sequence[str]):
     def from_bytes(cls, data: bytes, where: str) -> KeyTable:
         """Parse and check `to_bytes` output; KeyFileError naming `where` if it is not one."""
         fix = f"{where} is not a splitstage sample-keys file"
-        again = "rerun `splitstage train` (the launcher writes it again)"
+        again = "rerun the command that wrote it (`splitstage preprocess` writes the cache's)"
         try:
-            rows, meta = _parquet(data) if data[:4] == _PARQUET else _safetensors(data)
+            rows, meta = _parquet(data)
         except Exception as exc:  # any parse failure is a bad file
             raise KeyFileError(f"{fix} ({type(exc).__name__}: {exc}); {again}") from None
         if (
             not isinstance(meta, dict)
-            or meta.get("format") not in (FORMAT, _OLD_FORMAT)
+            or meta.get("format") != FORMAT
             or meta.get("encoding") not in ("hex", "ascii")
         ):
             raise KeyFileError(f"{fix} (format {meta!r}); {again}")
@@ -262,8 +254,3 @@ def _parquet(data: bytes) -> tuple[np.ndarray, dict]:
     if width < 1 or len(keys) != width * count:
         raise ValueError(f"{len(keys)} bytes of keys for {count} keys of {width}")
     return keys.reshape(count, width), meta
-
-
-def _safetensors(data: bytes) -> tuple[np.ndarray, object]:
-    """An earlier (safetensors) key file's uint8 [N, width] keys and its metadata."""
-    return st_load(data)["keys"], json.loads(read_metadata(data)[_META])

@@ -1,12 +1,11 @@
 """The cache manifest: the preprocessing coordinator's record of a run, its sample list compact.
 
 `manifest.json` is JSON. Its sample keys (a million would be 70 MB of JSON, seconds to parse)
-go into a Parquet key table `manifest-samples-<sha256[:16]>.parquet` beside it (`.safetensors`
-from older splitstage, still read), written
+go into a Parquet key table `manifest-samples-<sha256[:16]>.parquet` beside it, written
 first; the manifest names it with its sha256 and count (`samples_file`). Both writes are atomic
-and the name follows the bytes, so a reader sees the old pair or the new one. Manifests that
-list `samples` inline (older splitstage) are still read. Readers get `samples` as a `KeyTable`
-(a sorted Sequence[str]) either way, and never `samples_file`. Nothing is unpickled.
+and the name follows the bytes, so a reader sees the old pair or the new one. Readers get
+`samples` as a `KeyTable` (a sorted Sequence[str]), and never `samples_file`. Nothing is
+unpickled.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from splitstage.tasks.cache.key_table import SUFFIX, KeyFileError, KeyTable
 
 MANIFEST = "manifest.json"
 SAMPLES_FILE = "samples_file"
-_SAMPLES_NAME = re.compile(r"^manifest-samples-[0-9a-f]{16}\.(parquet|safetensors)$")
+_SAMPLES_NAME = re.compile(r"^manifest-samples-[0-9a-f]{16}\.parquet$")
 _REWRITE = "rerun preprocess to rewrite it"
 
 
@@ -34,22 +33,20 @@ def _not_a_manifest(where: str, why: str) -> CacheCorruptError:
 
 
 def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
-    """Return a manifest (JSON bytes, or parsed) after checking its shape: an object whose
-    'samples', when there, is a list of sample keys, and whose 'samples_file', when there,
-    names a samples file with its sha256 and count; CacheCorruptError naming `where`."""
+    """Return a stored manifest (JSON bytes, or parsed) after checking its shape: an object
+    whose 'samples_file', when there, names a samples file with its sha256 and count (its
+    sample keys are never inline); CacheCorruptError naming `where`."""
     with contextlib.suppress(ValueError, RecursionError):
         manifest = json.loads(manifest) if isinstance(manifest, bytes) else manifest
-    why = "not JSON, or 'samples' is not a list of sample keys"
-    samples = manifest.get("samples", []) if isinstance(manifest, dict) else None
-    if not isinstance(samples, list) or not all(isinstance(k, str) for k in samples):
-        raise _not_a_manifest(where, why)
-    if not all_names(samples):
-        raise _not_a_manifest(where, why)
+    if not isinstance(manifest, dict):
+        raise _not_a_manifest(where, "not a JSON object")
+    if "samples" in manifest:
+        raise _not_a_manifest(where, f"its sample keys are inline, not in a '{SAMPLES_FILE}'")
     named = manifest.get(SAMPLES_FILE)
     if named is not None:
         ok = isinstance(named, dict) and _SAMPLES_NAME.match(str(named.get("name", "")))
         ok = ok and isinstance(named.get("sha256"), str) and type(named.get("count")) is int
-        if not ok or "samples" in manifest:
+        if not ok:
             raise _not_a_manifest(where, f"a bad '{SAMPLES_FILE}' field: {named!r}")
     return manifest
 
@@ -86,12 +83,10 @@ def encode_manifest(
 def decode_samples(manifest: dict[str, Any], data: bytes | None, where: str) -> dict[str, Any]:
     """The manifest as readers see it: the named samples file's keys (`data`, checked against
     the sha256 and count the manifest records) under `samples`; CacheCorruptError if they
-    do not match. Old manifests' inline `samples` become a KeyTable too."""
+    do not match."""
     out = dict(manifest)
     named = out.pop(SAMPLES_FILE, None)
-    if named is None:
-        if "samples" in out:
-            out["samples"] = KeyTable.from_keys(out["samples"])
+    if named is None:  # a manifest of no samples
         return out
     file_where = f"{where.rsplit('/', 1)[0]}/{named['name']}"
     if data is None:

@@ -184,12 +184,11 @@ def test_the_manifest_keeps_its_samples_compact(store):
     assert list(fresh(store).read_manifest()["samples"]) == sorted(keys[:2])
 
 
-def test_an_older_manifest_with_inline_samples_still_reads(store):
+def test_a_manifest_with_inline_samples_is_not_one_splitstage_writes(store):
     keys = [key_of(2), key_of(1)]
     store.fs.pipe_file(f"{store.root}/manifest.json", json.dumps({"samples": keys}).encode())
-    manifest = fresh(store).read_manifest()
-    assert isinstance(manifest["samples"], KeyTable) and list(manifest["samples"]) == sorted(keys)
-    assert fresh(store).verify().manifest_samples == 2
+    with pytest.raises(CacheCorruptError, match=r"manifest\.json is not a splitstage manifest"):
+        fresh(store).read_manifest()
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""Key files: written as Parquet, read back equal; the earlier safetensors files (a cache
-manifest's samples file written before the change) still read; damage is a KeyFileError."""
+"""Key files: written as Parquet, read back equal; any other file (the safetensors format of an
+unreleased build among them) and damage are a KeyFileError naming the file."""
 
 from __future__ import annotations
 
@@ -27,20 +27,25 @@ def old_bytes(table: KeyTable) -> bytes:
 
 
 @pytest.mark.parametrize("keys", [HEX, ASCII, []], ids=["hex", "ascii", "empty"])
-def test_tables_are_written_as_parquet_and_old_files_still_read(keys):
+def test_tables_are_written_as_parquet_and_read_back_equal(keys):
     table = KeyTable.from_keys(keys)
     data = table.to_bytes()
     assert data[:4] == b"PAR1"
     assert KeyTable.from_bytes(data, "new") == table and len(table) == len(set(keys))
-    assert KeyTable.from_bytes(old_bytes(table), "old") == table
 
 
-def test_a_manifest_naming_an_old_samples_file_still_reads():
-    data = old_bytes(KeyTable.from_keys(HEX[:3]))
-    named = {"name": "manifest-samples-x.safetensors", "sha256": hashlib.sha256(data).hexdigest()}
-    manifest = {"samples_file": {**named, "count": 3}, "report": {}}
-    got = mf.decode_samples(manifest, data, "cache/manifest.json")
-    assert list(got["samples"]) == sorted(HEX[:3]) and "samples_file" not in got
+def test_a_safetensors_key_file_is_refused_naming_it():
+    with pytest.raises(KeyFileError, match="old.safetensors is not a splitstage sample-keys file"):
+        KeyTable.from_bytes(old_bytes(KeyTable.from_keys(HEX)), "old.safetensors")
+
+
+def test_a_manifest_with_inline_samples_or_a_safetensors_samples_file_is_refused():
+    where = "cache/manifest.json"
+    with pytest.raises(mf.CacheCorruptError, match="manifest.json is not a splitstage manifest"):
+        mf.check_manifest({"samples": HEX[:3]}, where)
+    named = {"name": "manifest-samples-0123456789abcdef.safetensors", "sha256": "x", "count": 3}
+    with pytest.raises(mf.CacheCorruptError, match="a bad 'samples_file' field"):
+        mf.check_manifest({"samples_file": named}, where)
 
 
 def test_a_flipped_byte_or_a_wrong_count_is_a_key_file_error_naming_it():
