@@ -26,11 +26,17 @@ $(SIDE_STAMP): $(STAMP) infra/diffsynth-env/make-env.sh infra/diffsynth-env/site
 
 diffsynth-env: $(SIDE_STAMP)
 
+# Test files run on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, so
+# its module fixtures are built once). Many tests start torchrun jobs of 2 ranks: more workers
+# than cores only adds contention.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(SIDE_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
-	SPLITSTAGE_DIFFSYNTH_TESTS=1 $(SIDE)/bin/python -m pytest -q -p no:cacheprovider tests/diffsynth
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	SPLITSTAGE_DIFFSYNTH_TESTS=1 $(SIDE)/bin/python -m pytest -q -p no:cacheprovider \
+	  -n $(TEST_WORKERS) --dist loadfile tests/diffsynth
 
 # The unit tests only (no servers, no torchrun): about 2-3 minutes here.
 test-fast: $(STAMP)
