@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.storage.files import StorageError, join, open_fs, write_atomic
-from splitstage.storage.lease import LEASE_NAME
 from splitstage.storage.options import name_block
 from splitstage.storage.urls import local_path, scheme_of
 
@@ -84,6 +83,8 @@ class RunPlaces(BaseModel):
         must be there) its lease file is (writers such as TensorBoard's may have made the
         folder again). Another node's lease may be released when that node stops: only the
         folder counts there."""
+        from splitstage.storage.lease import LEASE_NAME  # filelock, psutil: not for `validate`
+
         for key in self.leased():
             url = self.url(key)
             if scheme_of(url) != "file":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from splitstage.tasks.stage2.outputs import LEASE_NAME, RunPlaces
+from splitstage.storage.lease import LEASE_NAME
+from splitstage.tasks.stage2.outputs import RunPlaces
 
 
 def paths(output: str, checkpoints: str) -> RunPlaces:
