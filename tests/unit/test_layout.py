@@ -71,12 +71,14 @@ def modules() -> dict[str, Path]:
 MODULES = modules()
 
 
-def imports_of(path: Path, name: str) -> set[str]:
-    """Every module an import statement anywhere in the file names (lazy imports included)."""
+def imports_of(path: Path, name: str, *, eager: bool = False) -> set[str]:
+    """Every module an import statement anywhere in the file names (lazy imports included); with
+    `eager`, only the module-level statements' first-party modules (not those inside functions
+    or `if TYPE_CHECKING:`): what importing it loads first-hand."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in tree.body if eager else ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -86,6 +88,8 @@ def imports_of(path: Path, name: str) -> set[str]:
                 base = f"{parent}.{base}".rstrip(".")
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
+    if eager:
+        return {m for m in found if m in MODULES}
     return {m for m in found if m in MODULES or m.split(".")[0] in {"torch", "prefect"}}
 
 
@@ -202,25 +206,6 @@ def test_no_import_cycle():
             pytest.fail("import cycle: " + " -> ".join(cycle))
 
 
-def eager_imports(name: str) -> set[str]:
-    """First-party modules the module-level import statements of `name` name (not those inside
-    functions or `if TYPE_CHECKING:`): what importing it loads first-hand."""
-    path = MODULES[name]
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}".rstrip(".")
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {m for m in found if m in MODULES}
-
-
 def test_the_plan_names_a_cache_without_the_cache_room():
     """Importing the plan (which names the cache: its key) loads the fingerprints alone of the
     cache room; the store and everything it reads come when a cache is opened (`open_cache`)."""
@@ -229,7 +214,7 @@ def test_the_plan_names_a_cache_without_the_cache_room():
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo += [m for m in eager_imports(name) if m != name]
+            todo += [m for m in imports_of(MODULES[name], name, eager=True) if m != name]
     cache = sorted(m for m in seen if m.startswith("splitstage.tasks.cache."))
     assert cache == ["splitstage.tasks.cache.fingerprint"], cache
 
