@@ -1,9 +1,13 @@
 """The one reader of safetensors headers and shard indexes (JSON, never pickle): parse, sniff;
-and of a local file's tensors, mapped from disk (torch and safetensors imported on that call)."""
+and of a local file's tensors, mapped from disk (torch and safetensors imported on that call),
+whose pages a reader that copied them can hand back (`drop_mapped_pages`)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +113,26 @@ def mapped_state(path: str | Path) -> dict[str, Any]:
     except (OSError, SafetensorError) as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UserError(f"{path}: not a readable safetensors file ({reason})") from None
+
+
+def drop_mapped_pages(tensor: Any) -> int:
+    """Hand back this process's pages of a CPU tensor that is a view of a file mapped
+    copy-on-write (`safe_open(...).get_tensor`, `mapped_state`) and was never written: its
+    whole pages leave the resident set (the page cache keeps them; a later read maps them
+    again), so a loader that copied the tensor elsewhere does not hold the file beside its copy.
+    Only for such views: on anonymous memory the pages would read back as zeros. Returns the
+    bytes handed back (0 where the OS has no madvise: not Linux)."""
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return 0
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if madvise(first, last - first, mmap.MADV_DONTNEED) != 0:
+        return 0
+    return last - first

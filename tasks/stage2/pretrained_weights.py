@@ -43,6 +43,7 @@ from splitstage.pipelines.key_rules import Rule
 from splitstage.splitter import UserError
 from splitstage.storage.safetensors_io import (
     INDEX_SUFFIX,
+    drop_mapped_pages,
     index_weight_map,
     is_index_path,
     looks_like_safetensors,
@@ -111,6 +112,11 @@ class PretrainedFile:
         if name in self._tensors:
             return tuple(self._tensors[name].shape)
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def is_mapped(self, key: str) -> bool:
+        """Whether `read(key)` is a view of a safetensors file mapped copy-on-write (its pages
+        can be handed back after a copy, or held as the tensor itself)."""
+        return self.rules is None and self.keys[key] in self._shard_of
 
     def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A tensor, or only `region` of it (reads only those bytes)."""
@@ -368,6 +374,8 @@ class LoadReport:
     initialized_adapters: list[str] = field(default_factory=list)
     cast: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    mapped: int = 0  # frozen tensors held as views of the file, not copied
+    bytes_mapped: int = 0
 
 
 def _meta_non_persistent_buffers(model: nn.Module) -> list[str]:
@@ -470,6 +478,7 @@ def materialize_and_load(
     device: torch.device | str | None = None,
     adapter_seed: int = 0,
     ignore_unexpected: bool = False,
+    map_frozen: bool = True,
 ) -> LoadReport:
     """Allocate a meta model on `device` and fill it from one file; the same on every layout.
 
@@ -481,6 +490,12 @@ def materialize_and_load(
     `buffers_init(model)` recomputes non-persistent buffers (RoPE tables...) that `to_empty`
     leaves uninitialized. `ignore_unexpected=True` accepts file keys the model lacks (a pipeline
     stage holds only some of the file's modules); missing keys are still errors.
+
+    Nothing is held twice: a frozen tensor of a safetensors file, on the CPU, in the file's
+    dtype and whole on this rank becomes a view of the file mapped copy-on-write (its pages are
+    resident as it is used, evictable, never an anonymous copy; `map_frozen=False` copies it);
+    every other tensor is copied (converted, sliced or moved to the device) one at a time, and
+    the file's pages it was read from are handed back at once.
     """
     path = os.fspath(path)
     if strategy not in STRATEGIES:
@@ -513,10 +528,11 @@ def materialize_and_load(
     if strategy == "broadcast":  # only rank 0 knows the file's keys
         init_keys = _broadcast_lines(init_keys)
     report = LoadReport(path=path, strategy=strategy)
+    frozen = frozen_owners(model) if map_frozen else {}
     try:
         with torch.no_grad():
             if strategy == "slices":
-                _load_slices(file, targets, report)
+                _load_slices(file, targets, report, frozen)
             else:
                 _load_broadcast(model, file, targets, report)
             _init_adapters(init_keys, targets, report, adapter_seed)
@@ -532,17 +548,49 @@ def materialize_and_load(
     return report
 
 
-def _load_slices(file: PretrainedFile, targets, report: LoadReport) -> None:
-    """Each rank copies only its own region of each tensor from the file."""
+def frozen_owners(model: nn.Module) -> dict[int, nn.Parameter | torch.Tensor]:
+    """The model's frozen CPU tensors (parameters that take no gradient, buffers) that are not
+    DTensors, by the address of their storage: what `_load_slices` may replace with a view of
+    the file (the model's own objects, which optimizers and adapters hold, keep their identity)."""
+    owners: dict[int, nn.Parameter | torch.Tensor] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.requires_grad or isinstance(tensor, DTensor) or not tensor.numel():
+            continue
+        if tensor.device.type == "cpu":
+            owners[tensor.data_ptr()] = tensor
+    return owners
+
+
+def _load_slices(file: PretrainedFile, targets, report: LoadReport, frozen: dict) -> None:
+    """Each rank reads only its own region of each tensor from the file: a frozen tensor in the
+    file's dtype becomes a view of the file; any other is copied and its file pages handed back."""
     for key, (_, tensor) in targets.items():
         if key not in file.keys:
             continue
-        source = file.read(key, _region(tensor))
-        if source.dtype != tensor.dtype:
-            report.cast.append(key)
-        _copy_into(tensor, source)
+        region = _region(tensor)
+        source = file.read(key, region)
+        nbytes = source.numel() * source.element_size()
+        owner = frozen.get(tensor.data_ptr()) if tensor.numel() else None
+        mapped = file.is_mapped(key)
+        if (
+            owner is not None
+            and mapped
+            and region is None
+            and source.dtype == owner.dtype
+            and tuple(source.shape) == tuple(owner.shape)
+            and source.is_contiguous()
+        ):
+            owner.data = source  # the model's own tensor object, now backed by the file's pages
+            report.mapped += 1
+            report.bytes_mapped += nbytes
+        else:
+            if source.dtype != tensor.dtype:
+                report.cast.append(key)
+            _copy_into(tensor, source)
+            if mapped:
+                drop_mapped_pages(source)
         report.loaded += 1
-        report.bytes_read += source.numel() * source.element_size()
+        report.bytes_read += nbytes
 
 
 def _load_broadcast(model: nn.Module, file, targets, report: LoadReport) -> None:

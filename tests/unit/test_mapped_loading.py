@@ -1,0 +1,110 @@
+"""Stage 2 loads without copies: a frozen tensor in the file's dtype becomes a view of the file
+mapped copy-on-write (no anonymous copy; a write never reaches the file); a tensor that is
+trained, converted to another dtype or sliced is copied, one at a time, and the file's pages it
+was read from leave the resident set at once."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from splitstage.storage.safetensors_io import drop_mapped_pages
+from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
+
+WIDTH = 1024  # 4 MB a weight in fp32: whole pages inside every tensor
+
+
+def file_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps from `path`."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path.resolve()):
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((low, high))
+    return ranges
+
+
+def in_file(tensor: torch.Tensor, path: Path) -> bool:
+    return any(low <= tensor.data_ptr() < high for low, high in file_ranges(path))
+
+
+def resident_file_kb() -> int:
+    """RssFile of this process: the pages of mapped files it holds."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+
+
+@pytest.fixture
+def weights(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in model().state_dict().items()}
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    return path, state
+
+
+def meta_model(trained: str | None = None, dtype=torch.float32) -> nn.Module:
+    """The model on the meta device; parameters under `trained` take gradients, others not."""
+    with torch.device("meta"):
+        built = model().to(dtype)
+    for name, param in built.named_parameters():
+        param.requires_grad_(trained is not None and name.startswith(trained))
+    return built
+
+
+def test_frozen_tensors_are_views_of_the_file_and_writes_stay_private(weights):
+    path, state = weights
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded = meta_model(trained="1.")  # layer 0 frozen, layer 1 trained
+    report = materialize_and_load(loaded, path, device="cpu")
+    for key, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[key]), key
+    assert in_file(loaded[0].weight, path) and in_file(loaded[0].bias, path)
+    assert not in_file(loaded[1].weight, path)  # trained: its own memory
+    assert report.mapped == 2 and report.bytes_mapped == (WIDTH * WIDTH + WIDTH) * 4
+    with torch.no_grad():
+        loaded[0].weight.add_(1.0)  # copy-on-write: the file keeps its bytes
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_a_dtype_change_copies_each_tensor_and_hands_the_files_pages_back(weights):
+    path, state = weights
+    loaded = meta_model(dtype=torch.bfloat16)  # everything frozen, held in bf16
+    before = resident_file_kb()
+    report = materialize_and_load(loaded, path, device="cpu")
+    assert report.mapped == 0 and len(report.cast) == 4
+    for key, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.bfloat16 and not in_file(tensor, path)
+        assert torch.equal(tensor, state[key].to(torch.bfloat16)), key
+    file_kb = path.stat().st_size // 1024
+    assert resident_file_kb() - before < file_kb // 4  # the 8 MB file was not kept
+
+
+def test_without_mapping_every_tensor_is_copied(weights):
+    path, _ = weights
+    loaded = meta_model()
+    report = materialize_and_load(loaded, path, device="cpu", map_frozen=False)
+    assert report.mapped == 0 and not in_file(loaded[0].weight, path)
+
+
+def test_dropped_pages_read_back_from_the_file(weights):
+    path, state = weights
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        view = handle.get_tensor("0.weight")
+    assert in_file(view, path)
+    assert drop_mapped_pages(view) > 0
+    assert torch.equal(view, state["0.weight"])  # faulted in again from the file
