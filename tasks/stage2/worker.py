@@ -22,7 +22,7 @@ from splitstage.process.leaving import leave
 from splitstage.process.unused_imports import skip_unused_libraries
 from splitstage.splitter import UserError
 from splitstage.tasks.stage2.outputs import ERROR_FILE
-from splitstage.tasks.stage2.run_spec import RunSpec
+from splitstage.tasks.stage2.run_spec import RunSpec, RunSpecError
 
 
 def report_error(run_dir: str, error: UserError) -> None:
@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     """Train this rank of the run the spec file describes; 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
     faulthandler.enable(all_threads=True)  # a rank killed by a signal shows where it was
-    spec = RunSpec.read(argv[0])
+    try:
+        spec = RunSpec.read(argv[0])
+    except RunSpecError as error:  # another splitstage wrote it: one line, no traceback
+        print(f"splitstage: error: {error}", file=sys.stderr, flush=True)
+        return 2
     skip_unused_libraries(spec.config.model_dump(mode="json"))  # this process serves this one job
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -127,6 +127,10 @@ def test_a_spec_from_another_version_is_one_line(workspace, tmp_path):
 
     with pytest.raises(RunSpecError, match=r"run spec .*spec.json: version: .*same splitstage"):
         RunSpec.read(spec)
+    rank = [sys.executable, "-m", "splitstage.tasks.stage2.worker", str(spec)]
+    done = subprocess.run(rank, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().startswith("splitstage: error: run spec "), done.stderr
 
 
 @pytest.mark.parametrize(("nproc", "processes"), [(1, 1), (2, 3)])
