@@ -156,3 +156,16 @@ def probe_writable(url: str, field_name: str, options: dict[str, Any] | None) ->
             f"{field_name}: cannot write under {url} ({error.strerror or error}); make it "
             "writable or point the field at a writable folder or bucket"
         ) from None
+
+
+def record_rank_error(run_dir: str, record: dict[str, Any]) -> None:
+    """Leave a rank's reason for stopping in the run folder for the launcher (`ERROR_FILE`,
+    JSON); the first rank to write wins, later ones leave it as it is."""
+    import json
+
+    try:
+        fd = os.open(Path(run_dir) / ERROR_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return
+    with os.fdopen(fd, "w") as handle:
+        json.dump(record, handle)

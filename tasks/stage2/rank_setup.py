@@ -11,15 +11,13 @@ their node's launcher (`SetUpRefusedError`), nobody prints it, and every rank ex
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.stage2.distributed import DistInfo, broadcast_bytes, init_distributed
-from splitstage.tasks.stage2.outputs import ERROR_FILE, SET_UP
+from splitstage.tasks.stage2.outputs import SET_UP, record_rank_error
 from splitstage.tasks.stage2.preflight import preflight
 from splitstage.tasks.stage2.run_spec import RankSetup, RunSpec
 
@@ -81,14 +79,8 @@ def record_refusal(spec: RunSpec, dist: DistInfo, outcome: dict[str, Any]) -> No
     first writer wins) for the launcher, which says it as one line."""
     if not (dist.is_main or dist.local_rank == 0):
         return
-    path = Path(spec.places.run_dir) / ERROR_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError:
-        return
     record = {"rank": dist.rank, "phase": SET_UP, "message": outcome["error"], **outcome}
-    with os.fdopen(fd, "w") as handle:
-        json.dump(record, handle)
+    record_rank_error(spec.places.run_dir, record)
 
 
 def check_same_split(plan: JobPlan, main_split: dict[str, Any]) -> None:

@@ -13,15 +13,13 @@ read) says its one-line reason, leaves it in RUN_DIR/error.json and exits with 2
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import sys
-from pathlib import Path
 
 from splitstage.process.leaving import leave
 from splitstage.process.unused_imports import skip_unused_libraries
 from splitstage.splitter import UserError
-from splitstage.tasks.stage2.outputs import ERROR_FILE
+from splitstage.tasks.stage2.outputs import record_rank_error
 from splitstage.tasks.stage2.run_spec import RunSpec, RunSpecError
 
 
@@ -29,13 +27,7 @@ def report_error(run_dir: str, error: UserError) -> None:
     """Leave the reason for the launcher (the first rank to write wins), then say it."""
     rank = int(os.environ.get("RANK", "0"))
     print(f"[rank{rank}] splitstage: error: {error}", file=sys.stderr, flush=True)
-    path = Path(run_dir) / ERROR_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError:
-        return
-    with os.fdopen(fd, "w") as handle:
-        json.dump({"rank": rank, "message": str(error)}, handle)
+    record_rank_error(run_dir, {"rank": rank, "message": str(error)})
 
 
 def main(argv: list[str] | None = None) -> int:
