@@ -328,6 +328,18 @@ class TrainConfig(Group):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="'auto': bf16 on GPUs that support it, else fp32."
     )
+    base_quantization: Literal["none", "int8", "fp8", "nf4"] = Field(
+        "none",
+        description="Quantize the frozen base of the LoRA-trained model while it loads, tensor "
+        "by tensor (torchao weight-only: int8, float8 e4m3, NF4 as in QLoRA); LoRA params stay "
+        "fp32. Needs the `quantization` extra (torchao).",
+    )
+    offload: Literal["none", "cpu"] = Field(
+        "none",
+        description="'cpu': keep the trained model's weights in host memory and bring each block "
+        "to the device only while it runs (FSDP2's CPUOffloadPolicy); the optimizer steps on "
+        "the CPU.",
+    )
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous.")
