@@ -73,10 +73,23 @@ def resident_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def peak_resident_mb() -> float:
+    """This process's peak resident memory in MiB (VmHWM: counts from its exec, where ru_maxrss
+    starts at the forking parent's size), file-mapped pages included; ru_maxrss where /proc is
+    absent."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
     """This process's peak memory since it started, in GiB: the resident set (Linux ru_maxrss,
     KiB) and, on a GPU, what torch's CUDA allocator held at most."""
-    peak = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    peak = {"peak_rss_gib": peak_resident_mb() / 2**10}
     if device.type == "cuda":
         peak["peak_cuda_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return peak

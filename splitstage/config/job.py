@@ -5,6 +5,7 @@ The `[pipeline]` group lives in `pipeline_config`, the error and the group base 
 
 from __future__ import annotations
 
+import importlib.util
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -387,6 +388,48 @@ class OutputConfig(Group):
     _url = field_validator("url")(storage_url)
 
 
+def check_memory_levers(train: TrainConfig, trainable: TrainableConfig) -> None:
+    """`train.base_quantization` and `train.offload` where they can run, else one line saying
+    what can."""
+    kind, offload = train.base_quantization, train.offload
+    if kind != "none":
+        where = f"train.base_quantization = '{kind}'"
+        if trainable.lora_base_model is None:
+            raise ValueError(
+                f"{where} quantizes the frozen base of a LoRA run, but this job trains every "
+                "weight of its model (full fine-tuning); set base_quantization = 'none', or "
+                "train a LoRA (trainable.lora_base_model)"
+            )
+        if train.parallelism not in ("ddp",):
+            raise ValueError(
+                f"{where} runs on one process or with train.parallelism = 'ddp' (each rank "
+                f"holds the whole quantized base), not '{train.parallelism}'"
+            )
+        if train.weights_loading != "slices":
+            raise ValueError(
+                f"{where} quantizes each weight as its rank reads it: set "
+                "train.weights_loading = 'slices'"
+            )
+        if offload != "none":
+            raise ValueError(
+                f"{where} and train.offload = '{offload}' do not combine yet: pick one (a "
+                "quantized base saves more device memory for a LoRA; offload also serves full "
+                "fine-tuning)"
+            )
+        if importlib.util.find_spec("torchao") is None:
+            raise ValueError(f"{where} needs torchao: pip install 'splitstage[quantization]'")
+    ranks = train.nnodes * train.nproc_per_node
+    if (
+        offload != "none"
+        and train.parallelism != "fsdp"
+        and (ranks > 1 or train.parallelism != "ddp")
+    ):
+        raise ValueError(
+            f"train.offload = '{offload}' runs through FSDP2: on one process, or with "
+            f"train.parallelism = 'fsdp' (not '{train.parallelism}' on {ranks} ranks)"
+        )
+
+
 class SplitstageConfig(Group):
     """A whole job: what to train, on what data, where the cache and outputs live."""
 
@@ -401,6 +444,11 @@ class SplitstageConfig(Group):
     output: OutputConfig = Field(default_factory=OutputConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _memory_levers_apply(self) -> SplitstageConfig:
+        check_memory_levers(self.train, self.trainable)
+        return self
 
     @model_validator(mode="after")
     def _trainable_models_exist(self) -> SplitstageConfig:

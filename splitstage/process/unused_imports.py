@@ -7,6 +7,7 @@ next that needs what this one skips.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,6 +16,11 @@ from typing import Any
 def trains_with_adamw8bit(config: Mapping[str, Any]) -> bool:
     """bitsandbytes' one use here: `train.optimizer = "adamw8bit"`."""
     return config.get("train", {}).get("optimizer", "adamw") == "adamw8bit"
+
+
+def quantizes_the_base(config: Mapping[str, Any]) -> bool:
+    """torchao's one use here: `train.base_quantization` other than "none"."""
+    return config.get("train", {}).get("base_quantization", "none") != "none"
 
 
 def names_a_credentials_block(config: Any) -> bool:
@@ -34,16 +40,30 @@ def names_a_credentials_block(config: Any) -> bool:
 # library -> whether a job (its config as a dict) can use it
 USED_WHEN: dict[str, Callable[[Mapping[str, Any]], bool]] = {
     "bitsandbytes": trains_with_adamw8bit,
+    "torchao": quantizes_the_base,
     "boto3": names_a_credentials_block,
+}
+
+
+# library -> the loggers that speak when it is imported, about things this job does not use
+# (torchao: kernels built for other Pythons and GPUs; torch's pytree: its Enum registrations;
+# diffusers: torchao tensor classes of older releases, for loading torchao checkpoints)
+IMPORT_TIME_LOGGERS = {
+    "torchao": ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"),
 }
 
 
 def skip_unused_libraries(config: Mapping[str, Any]) -> None:
     """Mark absent each library the job (a config dict) cannot use, though a library it imports
     would load it whenever it is installed: peft, diffusers and transformers import bitsandbytes
-    (~1.5 s of each process start here), accelerate imports boto3 for its SageMaker settings
+    (~1.5 s of each process start here) and torchao (~5 s and log lines about its kernels),
+    accelerate imports boto3 for its SageMaker settings
     (~0.1-0.3 s, ~9 MB). `sys.modules[name] = None` is Python's way to say so: every
-    `find_spec` then answers "not installed" and an import fails, so no library half-uses it."""
+    `find_spec` then answers "not installed" and an import fails, so no library half-uses it.
+    A library the job uses is imported quietly: its import-time warnings are not ours to show."""
     for library, used in USED_WHEN.items():
         if not used(config):
             sys.modules.setdefault(library, None)  # type: ignore[arg-type]
+        else:
+            for name in IMPORT_TIME_LOGGERS.get(library, ()):
+                logging.getLogger(name).setLevel(logging.ERROR)

@@ -81,9 +81,15 @@ def _local_device(device_type: str, local_rank: int, local_world_size: int) -> t
 
 
 def init_distributed(
-    device: str | None = None, timeout: datetime.timedelta | None = None
+    device: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    *,
+    host_collectives: bool = False,
 ) -> DistInfo:
-    """Join the job torchrun started (or a 1-rank group without torchrun) and pick the device."""
+    """Join the job torchrun started (or a 1-rank group without torchrun) and pick the device.
+
+    `host_collectives`: tensors in host memory take part in collectives too (weights offloaded
+    to the CPU: their gradients' norm), so an accelerator's group also gets gloo for them."""
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -91,6 +97,8 @@ def init_distributed(
     device_type = default_device_type(device)
     local_device = _local_device(device_type, local_rank, local_world_size)
     backend = backend_for(device_type)
+    if host_collectives and device_type != "cpu":
+        backend = f"{device_type}:{backend},cpu:gloo"
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), local_device, backend)
     kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -140,7 +148,7 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
 
 def comm_device() -> torch.device:
     """The device collectives of the default group need: the current accelerator for nccl."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

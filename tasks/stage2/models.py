@@ -16,6 +16,12 @@ from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.distributed import DistInfo, build_mesh
 from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
+from splitstage.tasks.stage2.quantization import (
+    QuantizingLoad,
+    is_quantized,
+    quantized_kind,
+    quantizing_load,
+)
 
 LORA_ADAPTER = "default"
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -200,6 +206,18 @@ def adapt_trained(model: nn.Module, name: str, family: Family, device: torch.dev
     return model
 
 
+def quantizing_base(
+    model: nn.Module, name: str, family: Family, device: torch.device
+) -> QuantizingLoad | None:
+    """How the LoRA base's weights are quantized while they load (`train.base_quantization`),
+    or None when it is held plain."""
+    config = family.config
+    kind = config.train.base_quantization
+    if kind == "none" or name != config.trainable.lora_base_model:
+        return None
+    return quantizing_load(model, kind, frozen_base_dtype(config, family, name, device), device)
+
+
 def held_dtypes(name: str, model: nn.Module) -> str:
     """What a model is held in, for the log: 'dit: frozen base bf16, trained params fp32'."""
 
@@ -210,11 +228,18 @@ def held_dtypes(name: str, model: nn.Module) -> str:
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad] + list(model.buffers())
+    quantized = [p for p in frozen if is_quantized(p)]
+    if quantized:
+        kinds = "/".join(sorted({quantized_kind(p) for p in quantized}))
+        plain = [t for t in frozen if not is_quantized(t)]
+        base = f"{kinds} ({len(quantized)} weights, torchao) + {names(plain)}"
+    else:
+        base = names(frozen)
     if not trained:
-        return f"{name}: frozen {names(frozen)}"
+        return f"{name}: frozen {base}"
     if not any(not p.requires_grad for p in params):
         return f"{name}: trained params {names(trained)} (full fine-tuning)"
-    return f"{name}: frozen base {names(frozen)}, trained params {names(trained)}"
+    return f"{name}: frozen base {base}, trained params {names(trained)}"
 
 
 def print_line(line: str) -> None:
@@ -236,7 +261,11 @@ def build_stage2_models(
     names = list(names or plan.split.models["stage2"])
     trained_names = [n for n in config.trainable.models() if n in names]
     mode, dp, tp = parallel_mode(config, dist_info.world_size)
+    offload = config.train.offload == "cpu"
+    if offload and mode == "none":  # one process: FSDP2 on a one-rank mesh keeps it on the host
+        mode = "fsdp"
     mesh = build_mesh(dp, tp, dist_info.world_size) if mode != "none" else None
+    load_device = torch.device("cpu") if offload else dist_info.device
     family = plan.family
     models: dict[str, nn.Module] = {}
     for name in names:
@@ -248,23 +277,26 @@ def build_stage2_models(
                 if config.train.gradient_checkpointing:
                     family.enable_gradient_checkpointing(name, model)
                 if mode != "none":
-                    parallelize(model, mesh=mesh, mode="ddp" if mode == "ddp" else "fsdp")
+                    mode_here = "ddp" if mode == "ddp" else "fsdp"
+                    parallelize(model, mesh=mesh, mode=mode_here, offload=offload)
             models[name] = model
             continue
         model = family.build_model(name, dist_info.device, meta=True)
         model = adapt_trained(model, name, family, dist_info.device)
-        parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
+        parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name), offload=offload)
         if mode in ("tp", "fsdp+tp"):
             family.tp_prepare(model, tp)
         path, key_prefix = weights
+        quantized = quantizing_base(model, name, family, dist_info.device)
         materialize_and_load(
             model,
             path,
             strategy=config.train.weights_loading,
             key_prefix=key_prefix,
             buffers_init=family.init_buffers,
-            device=dist_info.device,
+            device=load_device,
             adapter_seed=config.job.seed,
+            installers=quantized.loaders if quantized else None,
         )
         models[name] = model
     for name, model in models.items():
@@ -272,7 +304,12 @@ def build_stage2_models(
             model.eval().requires_grad_(False)
     if log is not None or dist_info.is_main:
         for name, model in models.items():
-            (log or print_line)(held_dtypes(name, model))
+            where = (
+                " (in host memory: train.offload = 'cpu')"
+                if offload and name in trained_names
+                else ""
+            )
+            (log or print_line)(held_dtypes(name, model) + where)
     return Stage2Models(
         models=models,
         trained=trained_names,

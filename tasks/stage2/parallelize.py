@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -203,11 +203,15 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def _apply_fsdp(model, dp_mesh, mp_policy, reshard_after_forward) -> None:
-    """fully_shard each block, then the root (which takes the remaining parameters)."""
+def _apply_fsdp(model, dp_mesh, mp_policy, reshard_after_forward, offload: bool) -> None:
+    """fully_shard each block, then the root (which takes the remaining parameters); with
+    `offload`, FSDP2's CPUOffloadPolicy: the shards live in host memory and each block's weights
+    come to the device only while the block runs (forward, and again in backward)."""
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")
     for block in find_blocks(model):
         if any(True for _ in block.parameters()):
             fully_shard(block, **kwargs)
@@ -215,7 +219,11 @@ def _apply_fsdp(model, dp_mesh, mp_policy, reshard_after_forward) -> None:
 
 
 def _apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """Composable DDP: builds its reducer lazily at the first forward, so meta init still works."""
+    """Composable DDP: builds its reducer lazily at the first forward, so meta init still works.
+
+    Modules with only frozen parameters (a LoRA's base: every rank loads it from the same file)
+    are left out, so DDP neither broadcasts the whole base from rank 0 at its first forward nor
+    meets a quantized weight it cannot copy."""
     from torch.distributed._composable.replicate import replicate
 
     device_type = dp_mesh.device_type
@@ -223,7 +231,14 @@ def _apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     if device_type != "cpu":
         index = torch.get_device_module(device_type).current_device()
         kwargs["device_id"] = torch.device(device_type, index)
-    replicate(model, device_mesh=dp_mesh, **kwargs)
+    frozen = [
+        module
+        for module in model.modules()
+        if module is not model
+        and any(True for _ in module.parameters())
+        and not any(p.requires_grad for p in module.parameters())
+    ]
+    replicate(model, device_mesh=dp_mesh, ignored_modules=frozen or None, **kwargs)
 
 
 def parallelize(
@@ -234,6 +249,7 @@ def parallelize(
     tp_plan: Mapping[str, object] | None = None,
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> nn.Module:
     """Apply `mode` in place, in order 1. TP (tp_plan) 2. FSDP2 per block then root, or DDP.
 
@@ -243,6 +259,7 @@ def parallelize(
         without TP, so a model builder can always supply its plan.
     mixed_precision: FSDP param dtype (gradients reduce in fp32); FSDP modes only.
     reshard_after_forward: FSDP frees gathered weights after forward (less memory, more comms).
+    offload: FSDP modes only: weights, gradients and the optimizer step in host memory.
     """
     dp_mesh, tp_mesh = _check_mode(mode, mesh, tp_plan)
     mp_policy = _mp_policy(mixed_precision)
@@ -255,8 +272,10 @@ def parallelize(
         plan = resolve_tp_plan(model, tp_plan)
         _check_divisible(model, plan, tp_mesh.size())
         parallelize_module(model, tp_mesh, plan)
+    if offload and mode not in ("fsdp", "fsdp+tp"):
+        raise ValueError(f"offload runs through FSDP2, but train.parallelism={mode!r}")
     if mode in ("fsdp", "fsdp+tp"):
-        _apply_fsdp(model, dp_mesh, mp_policy, reshard_after_forward)
+        _apply_fsdp(model, dp_mesh, mp_policy, reshard_after_forward, offload)
     elif mode == "ddp":
         _apply_ddp(model, dp_mesh)
     return model

@@ -21,11 +21,12 @@ unpickled) checked against a model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -376,6 +377,24 @@ class LoadReport:
     bytes_read: int = 0
     mapped: int = 0  # frozen tensors held as views of the file, not copied
     bytes_mapped: int = 0
+    installed: int = 0  # tensors handed to an installer (a quantized base)
+
+
+@contextlib.contextmanager
+def _left_on_meta(model: nn.Module, keys: Mapping[str, object]):
+    """Hide the parameters of `keys` (logical names) from `to_empty`, so it allocates nothing for
+    them; they come back on the meta device for their installers."""
+    hidden = []
+    for fqn, _param in list(model.named_parameters()):
+        if logical_name(fqn) in keys:
+            module_name, _, name = fqn.rpartition(".")
+            module = model.get_submodule(module_name)
+            hidden.append((module, name, module._parameters.pop(name)))
+    try:
+        yield
+    finally:
+        for module, name, param in hidden:
+            module._parameters[name] = param
 
 
 def _meta_non_persistent_buffers(model: nn.Module) -> list[str]:
@@ -479,6 +498,7 @@ def materialize_and_load(
     adapter_seed: int = 0,
     ignore_unexpected: bool = False,
     map_frozen: bool = True,
+    installers: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> LoadReport:
     """Allocate a meta model on `device` and fill it from one file; the same on every layout.
 
@@ -495,7 +515,9 @@ def materialize_and_load(
     dtype and whole on this rank becomes a view of the file mapped copy-on-write (its pages are
     resident as it is used, evictable, never an anonymous copy; `map_frozen=False` copies it);
     every other tensor is copied (converted, sliced or moved to the device) one at a time, and
-    the file's pages it was read from are handed back at once.
+    the file's pages it was read from are handed back at once. A key of `installers` (whole,
+    frozen parameters: a quantized base) is not allocated with the model: its installer gets the
+    file's tensor and puts what the model holds in its place.
     """
     path = os.fspath(path)
     if strategy not in STRATEGIES:
@@ -520,8 +542,12 @@ def materialize_and_load(
     _raise_agreed(error)
 
     device = torch.device(device) if device is not None else _default_device()
+    installers = dict(installers or {})
+    if installers and strategy != "slices":
+        raise ValueError("installers (a quantized base) load with strategy='slices' only")
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        model.to_empty(device=device)
+        with _left_on_meta(model, installers):
+            model.to_empty(device=device)
     targets = model_tensors(model)  # to_empty may replace tensors
     adapters = sorted(key for key in targets if is_adapter(key))
     init_keys = [key for key in adapters if file is not None and key not in file.keys]
@@ -532,7 +558,7 @@ def materialize_and_load(
     try:
         with torch.no_grad():
             if strategy == "slices":
-                _load_slices(file, targets, report, frozen)
+                _load_slices(file, targets, report, frozen, installers)
             else:
                 _load_broadcast(model, file, targets, report)
             _init_adapters(init_keys, targets, report, adapter_seed)
@@ -561,15 +587,26 @@ def frozen_owners(model: nn.Module) -> dict[int, nn.Parameter | torch.Tensor]:
     return owners
 
 
-def _load_slices(file: PretrainedFile, targets, report: LoadReport, frozen: dict) -> None:
+def _load_slices(
+    file: PretrainedFile, targets, report: LoadReport, frozen: dict, installers: dict
+) -> None:
     """Each rank reads only its own region of each tensor from the file: a frozen tensor in the
-    file's dtype becomes a view of the file; any other is copied and its file pages handed back."""
+    file's dtype becomes a view of the file; any other is copied and its file pages handed back;
+    an installer's key goes to its installer."""
     for key, (_, tensor) in targets.items():
         if key not in file.keys:
             continue
         region = _region(tensor)
         source = file.read(key, region)
         nbytes = source.numel() * source.element_size()
+        if key in installers:
+            installers[key](source)
+            if file.is_mapped(key):
+                drop_mapped_pages(source)
+            report.installed += 1
+            report.loaded += 1
+            report.bytes_read += nbytes
+            continue
         owner = frozen.get(tensor.data_ptr()) if tensor.numel() else None
         mapped = file.is_mapped(key)
         if (

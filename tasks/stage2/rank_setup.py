@@ -28,7 +28,7 @@ class SetUpRefusedError(UserError, RuntimeError):
 
 def set_up_rank(spec: RunSpec) -> RankSetup:
     """Join the job, plan it and check it once (rank 0), and agree on the outcome."""
-    dist = init_distributed()
+    dist = init_distributed(host_collectives=spec.config.train.offload != "none")
     plan, mine, outcome, samples = None, None, {}, None
     try:
         plan = make_plan(spec.config)

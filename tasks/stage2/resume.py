@@ -47,6 +47,9 @@ APPLIED = {
     "learning_rate": "train.learning_rate",
     "weight_decay": "train.weight_decay",
     "warmup_steps": "train.warmup_steps",
+    "optimizer_args": "train.optimizer_args",
+    "weight_dtype": "train.weight_dtype (the frozen base's dtype)",
+    "base_quantization": "train.base_quantization (the frozen base's quantization)",
 }
 
 IDENTITY = "base"  # the key of the identity in the recorded run settings
@@ -77,6 +80,10 @@ def run_settings(
         "learning_rate": train.learning_rate,
         "weight_decay": train.weight_decay,
         "warmup_steps": train.warmup_steps,
+        "optimizer": train.optimizer,
+        "optimizer_args": dict(sorted(train.optimizer_args.items())),
+        "weight_dtype": train.weight_dtype if lora else None,
+        "base_quantization": train.base_quantization if lora else None,
     }
 
 
@@ -86,6 +93,14 @@ def compare(
     """Refuse fixed-setting changes (one line); return what will be applied, one line each."""
     if not saved:
         raise ResumeConfigError(unrecorded(step, "settings", checkpoint_url))
+    if "optimizer" in saved and saved["optimizer"] != now.get("optimizer"):
+        raise ResumeConfigError(
+            f"train.optimizer changed {saved['optimizer']!r} -> {now.get('optimizer')!r} since "
+            f"checkpoint step {step}: the checkpoint holds {saved['optimizer']}'s state, which "
+            f"{now.get('optimizer')} cannot take; restore train.optimizer = "
+            f"{saved['optimizer']!r}, or start fresh with another --run-id (or delete "
+            f"{checkpoint_url})"
+        )
     changed = [k for k in FIXED if k in saved and saved[k] != now.get(k)]
     if changed:
         what = "; ".join(f"{FIXED[k]}: {saved[k]!r} -> {now.get(k)!r}" for k in changed)

@@ -7,7 +7,6 @@ pipeline schedule. Started by torchrun through `splitstage.tasks.stage2.worker`.
 from __future__ import annotations
 
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,13 @@ from splitstage.config.job import ConfigError, SplitstageConfig, TrainConfig
 from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.splitter import UserError
-from splitstage.tasks.device import peak_memory_gib, pick_dtype, resident_mb, steady_heap
+from splitstage.tasks.device import (
+    peak_memory_gib,
+    peak_resident_mb,
+    pick_dtype,
+    resident_mb,
+    steady_heap,
+)
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches, UpdateBatches
 from splitstage.tasks.stage2.checkpoint import Checkpointer, Stateful
@@ -390,7 +395,7 @@ class Trainer:
             "mode": self.config.train.mode,
             "parallelism": self.stage2.mode,
             "models_loaded": sorted(self.stage2.models),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_resident_mb(),
             "baseline_rss_mb": self.baseline_rss_mb,
             "outputs": outputs,
             "samples": {str(k): v for k, v in self.validator.samples.items()},

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from splitstage.config.job import SplitstageConfig, config_from_dict
 from splitstage.pipelines.demo.dit import DiT
@@ -102,7 +103,10 @@ def seed_adapters(model: torch.nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+                values = torch.randn(param.shape, generator=g) * 0.1
+                if isinstance(param, DTensor):  # sharded (FSDP2, offload): this rank's part
+                    values = distribute_tensor(values, param.device_mesh, param.placements)
+                param.copy_(values)
 
 
 def step_loss(plan: JobPlan, model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
