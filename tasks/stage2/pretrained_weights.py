@@ -95,6 +95,7 @@ class PretrainedFile:
         self.rules: dict[str, Rule] | None = None  # set by `convert`: an original layout
         self.layout = ""
         self.file_shapes: dict[str, tuple[int, ...]] = {}
+        self._read_views: list[torch.Tensor] = []  # what the last converted read mapped
 
     def convert(self, rules: dict[str, Rule], layout: str) -> None:
         """Read the file through `rules` (an original-layout single file): model keys become the
@@ -121,9 +122,29 @@ class PretrainedFile:
 
     def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A tensor, or only `region` of it (reads only those bytes)."""
-        if self.rules is not None:
-            return self.rules[key].read(self._read_file, self.file_shapes, region)
-        return self._read_file(self.keys[key], region)
+        if self.rules is None:
+            return self._read_file(self.keys[key], region)
+        self._read_views = []
+
+        def read_file(name: str, part: tuple[slice, ...] | None) -> torch.Tensor:
+            if name not in self._shard_of:
+                return self._read_file(name, part)
+            view = self._read_file(name, None)  # the mapped file: only the pages used are read
+            self._read_views.append(view)
+            return view[part] if part else view
+
+        return self.rules[key].read(read_file, self.file_shapes, region)
+
+    def release(self, key: str, tensor: torch.Tensor) -> None:
+        """Hand back the file pages `read(key)` touched, once `tensor` (what it returned) has
+        been copied elsewhere: the mapped view itself, or the original layout's tensors it was
+        converted from."""
+        if self.is_mapped(key):
+            drop_mapped_pages(tensor)
+        elif self.rules is not None:
+            for view in self._read_views:
+                drop_mapped_pages(view)
+            self._read_views = []
 
     def _read_file(self, name: str, region: tuple[slice, ...] | None) -> torch.Tensor:
         """The file's own tensor `name`, or only `region` of it."""
@@ -601,8 +622,7 @@ def _load_slices(
         nbytes = source.numel() * source.element_size()
         if key in installers:
             installers[key](source)
-            if file.is_mapped(key):
-                drop_mapped_pages(source)
+            file.release(key, source)
             report.installed += 1
             report.loaded += 1
             report.bytes_read += nbytes
@@ -624,8 +644,7 @@ def _load_slices(
             if source.dtype != tensor.dtype:
                 report.cast.append(key)
             _copy_into(tensor, source)
-            if mapped:
-                drop_mapped_pages(source)
+            file.release(key, source)
         report.loaded += 1
         report.bytes_read += nbytes
 

@@ -108,3 +108,38 @@ def test_dropped_pages_read_back_from_the_file(weights):
     assert in_file(view, path)
     assert drop_mapped_pages(view) > 0
     assert torch.equal(view, state["0.weight"])  # faulted in again from the file
+
+
+class OriginalLayout(nn.Sequential):
+    """The test model, reading a file whose keys are another layout's (`first.*`, `second.*`)
+    through slice rules, as a family's single-file hook does."""
+
+    def original_layout_rules(self, shapes):
+        from splitstage.pipelines.key_rules import Piece, Rule
+
+        if "first.weight" not in shapes:
+            return None
+        names = {"0": "first", "1": "second"}
+        rules = {}
+        for key in ("0.weight", "0.bias", "1.weight", "1.bias"):
+            layer, kind = key.split(".")
+            source = f"{names[layer]}.{kind}"
+            rows = shapes[source][0]
+            rules[key] = Rule((Piece(source, 0, rows),), len(shapes[source]))
+        return rules, "test layout"
+
+
+def test_an_original_layout_file_is_converted_without_keeping_its_pages(weights, tmp_path):
+    _, state = weights
+    renamed = {("first." if k[0] == "0" else "second.") + k[2:]: v for k, v in state.items()}
+    path = tmp_path / "original.safetensors"
+    save_file(renamed, str(path))
+    with torch.device("meta"):
+        loaded = OriginalLayout(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    loaded.requires_grad_(False)
+    before = resident_file_kb()
+    report = materialize_and_load(loaded, path, device="cpu")
+    assert report.loaded == 4 and report.mapped == 0
+    for key, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[key]) and not in_file(tensor, path), key
+    assert resident_file_kb() - before < path.stat().st_size // 1024 // 4
