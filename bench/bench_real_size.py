@@ -36,8 +36,8 @@ CASES = {
     "bf16 base + ckpt": BF16 | CKPT,
     "int8 + ckpt": BF16 | CKPT | {"base_quantization": "int8"},
     "nf4 + ckpt": BF16 | CKPT | {"base_quantization": "nf4"},
-    "unsplit, default": {"mode": "unsplit"},
-    "unsplit, bf16 base + ckpt": BF16 | CKPT | {"mode": "unsplit"},
+    "unsplit default": {"mode": "unsplit"},
+    "unsplit bf16 base + ckpt": BF16 | CKPT | {"mode": "unsplit"},
 }
 
 

@@ -37,7 +37,7 @@ from splitstage.flows.task_wrappers import (
     validation_prompts_task,
 )
 from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.stage1.preprocess import ShardReport
+from splitstage.tasks.stage1.preprocess import ShardReport, start_preprocess
 
 FanOut = Literal["local", "deployment"]
 SHARD_DEPLOYMENT = "preprocess/gpu"
@@ -148,6 +148,7 @@ def preprocess_planned(
     config = plan.config
     logger = get_run_logger()
     started = time.perf_counter()
+    swept = start_preprocess(plan)  # refusals, an unwritable cache, an interrupted run's files
     data = index_data(config)
     before = snapshot_cache(plan)
     new = len(set(data.keys) - before.keys)
@@ -167,6 +168,7 @@ def preprocess_planned(
     prompts = validation_prompts_task(plan)  # shard 0 did it, unless no shard ran
     report = finish_preprocess(plan, data, reports, before, workers, started)
     report.validation_prompts = prompts
+    report.temp_files_removed, report.bytes_reclaimed = swept
     publish_cache_stats(config, report, cache_groups(plan.cache))
     for warning in report.skipped_lines():
         logger.warning(warning)

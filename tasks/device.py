@@ -32,11 +32,12 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
 
 
 def pick_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
-    """Compute dtype: 'auto' is bf16 on GPUs that support it, else fp32."""
+    """Compute dtype: 'auto' is bf16 on GPUs that support it, else fp32; 'fp16' only on a GPU
+    (fp16 needs a gradient scaler and fp16 kernels: a CPU runs it in fp32, as preflight says)."""
     if mixed_precision == "bf16":
         return torch.bfloat16
     if mixed_precision == "fp16":
-        return torch.float16
+        return torch.float16 if device.type == "cuda" else torch.float32
     if mixed_precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32

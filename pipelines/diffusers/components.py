@@ -15,7 +15,7 @@ from splitstage.config.job import ConfigError
 from splitstage.pipelines.diffusers.single_file import SingleFileError, single_file_rules
 from splitstage.pipelines.key_rules import Rule
 from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
-from splitstage.storage.safetensors_io import is_index_path, mapped_state
+from splitstage.storage.safetensors_io import drop_mapped_pages, is_index_path, mapped_state
 
 LIBRARIES = ("diffusers", "transformers")
 
@@ -133,6 +133,7 @@ def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) 
     """The component built on meta, loaded from its weights (exactly: strict keys), frozen."""
     model = build_empty(component)
     state = mapped_state(component.weights)
+    file_views = {t.data_ptr() for t in state.values()}
     shapes = {key: tuple(t.shape) for key, t in state.items()}
     rules = _original_layout(component, model, shapes)
     if rules is not None:
@@ -141,12 +142,36 @@ def load_frozen(component: Component, device: torch.device, dtype: torch.dtype) 
         }
     _refuse_misfit(component, model, {key: tuple(t.shape) for key, t in state.items()})
     model.load_state_dict(state, strict=False, assign=True)
+    state.clear()  # the model holds what it needs: no second reference to the file
     init_buffers(model)
-    model.to(device)
-    if dtype != torch.float32:  # diffusers warns on any .to(dtype); the files are usually fp32
-        model.to(dtype)
+    place(model, device, None if dtype == torch.float32 else dtype, file_views)
     _check_materialized(model, component)
     return model.eval().requires_grad_(False)
+
+
+def place(
+    model: nn.Module, device: torch.device, dtype: torch.dtype | None, file_views: set[int]
+) -> None:
+    """Each tensor to `device` and its floating ones to `dtype` (None: as the file holds them),
+    one at a time: a file tensor that had to be copied hands its mapped pages back at once, so
+    the file is never resident beside a whole converted copy; one that needs no change stays a
+    view of the file."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None:
+                    continue
+                held = tensor.data
+                target = dtype if dtype is not None and held.is_floating_point() else held.dtype
+                moved = held.to(device=device, dtype=target)
+                if moved.data_ptr() == held.data_ptr():
+                    continue
+                if isinstance(tensor, nn.Parameter):
+                    tensor.data = moved
+                else:
+                    table[key] = moved
+                if held.data_ptr() in file_views:  # never anonymous memory: it would read 0
+                    drop_mapped_pages(held)
 
 
 def _refuse_misfit(

@@ -24,6 +24,7 @@ from splitstage.config.pipeline_group import (
     AnyPipelineConfig,
     _default_pipeline,
 )
+from splitstage.config.update_rule import checked_optimizer_args, checked_schedule_args
 from splitstage.storage.credentials import check_block_name
 from splitstage.storage.options import check_storage_options
 from splitstage.storage.urls import (
@@ -367,6 +368,8 @@ class TrainConfig(Group):
     def _rendezvous(cls, value: str | None) -> str | None:
         return None if value is None else validate_rdzv_endpoint(value, None)
 
+    _optimizer_args = field_validator("optimizer_args")(checked_optimizer_args)
+    _schedule_args = field_validator("lr_scheduler_args")(checked_schedule_args)
     allow_stale_cache: bool = Field(
         False,
         description="Train on the cached samples of the data set even when the cache does not "

@@ -31,6 +31,9 @@ from splitstage.data.source import DataSource, Listing
 from splitstage.storage.files import (
     StorageBucketNotFoundError,
     StorageCredentialsError,
+    StorageFullError,
+    StoragePermissionError,
+    StorageReadOnlyError,
     StorageUnreachableError,
     join,
     open_fs,
@@ -233,10 +236,18 @@ def load_memo(fs: Any, path: str, url: str, source: DataSource) -> HashMemo:
         return HashMemo()
 
 
+# The cache folder cannot be written at all: preprocess refuses it in one line of its own (before
+# indexing); `train` and `validate` may read a read-only cache, where the memo is only not kept.
+UNWRITABLE = (StorageReadOnlyError, StoragePermissionError, StorageFullError)
+
+
 def save_memo(fs: Any, path: str, url: str, data: bytes) -> None:
-    """Write the memo atomically; a failure is one warning line (the memo only saves time)."""
+    """Write the memo atomically; a failure is one warning line (the memo only saves time), and
+    none where the cache cannot be written at all (read-only, forbidden or full)."""
     try:
         write_atomic(fs, path, data, url, field=CACHE_FIELD)
+    except UNWRITABLE as exc:
+        log.debug("hash memo %s not written: %s", url, exc)
     except Exception as exc:
         stop_if_cache_unusable(exc, fs, url, "write")
         log.warning("hash memo %s not written (%s); the next run hashes again", url, exc)

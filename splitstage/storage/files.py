@@ -12,8 +12,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import hashlib
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from stat import S_ISDIR, S_ISREG
@@ -58,7 +62,8 @@ class StorageUnreachableError(StorageError):
 
 
 class StorageFullError(StorageError):
-    """No space left on the device, or the disk quota is used up (ENOSPC, EDQUOT)."""
+    """No space left on the device, the disk quota used up, or a file over the size the file
+    system or the process allows (ENOSPC, EDQUOT, EFBIG)."""
 
 
 class StorageReadOnlyError(StorageError):
@@ -71,6 +76,11 @@ _LOCAL_ERRNOS = {  # errno -> (error class, what happened, the fix)
     errno.ENOSPC: (StorageFullError, "no space left on device", f"free space there {_FIX}"),
     errno.EDQUOT: (StorageFullError, "disk quota exceeded", f"free space, raise the quota {_FIX}"),
     errno.EROFS: (StorageReadOnlyError, "read-only file system", f"remount it read-write {_FIX}"),
+    errno.EFBIG: (
+        StorageFullError,
+        "file too large for this file system or for this process's file size limit (ulimit -f)",
+        f"raise the limit {_FIX}",
+    ),
     errno.EACCES: (StoragePermissionError, "permission denied", f"make it writable {_FIX}"),
     errno.EPERM: (StoragePermissionError, "permission denied (EPERM)", f"chattr -i it {_FIX}"),
     errno.ENOTDIR: (StorageError, "a file stands where a folder goes", f"move it {_FIX}"),
@@ -189,7 +199,7 @@ def write_atomic(
             raise_if_storage_error(exc, url, "write", options, field=field)
             raise
         return
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp = temp_path(path)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "wb") as fh:
@@ -203,6 +213,58 @@ def write_atomic(
         if isinstance(exc, Exception):
             raise_if_storage_error(exc, url, "write", options, field=field)
         raise
+
+
+TEMP_MARK = ".tmp-"  # a local write's temporary file: <path>.tmp-<pid>-<12 hex>[-<host>]
+_TEMP = re.compile(r"\.tmp-(\d+)-[0-9a-f]{12}(?:-([0-9a-f]{8}))?$")
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+STALE_TEMP_SECONDS = 24 * 3600  # another machine's temporary file this old is abandoned
+
+
+def temp_path(path: str) -> str:
+    """The temporary file a local atomic write goes through: it names this process and host,
+    so a clean-up (`sweep_temp_files`) can tell an abandoned one from one still being written."""
+    return f"{path}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:12]}-{_HOST}"
+
+
+def _writer_gone(name: str, mtime: float) -> bool:
+    """Whether the temporary file `name` was left by a writer that no longer runs: its process
+    is gone from this host, or (another host's) it is over STALE_TEMP_SECONDS old."""
+    found = _TEMP.search(name)
+    if found is None:
+        return False
+    pid, host = int(found.group(1)), found.group(2)
+    if host in (None, _HOST):  # older names carry no host: written here
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's live process
+            return False
+        return False
+    return time.time() - mtime > STALE_TEMP_SECONDS
+
+
+def sweep_temp_files(fs: Any, root: str) -> tuple[int, int]:
+    """Delete the temporary files of local atomic writes under `root` whose writer is gone (a
+    Ctrl-C or a kill mid-write); (files, bytes) reclaimed. Object stores write in one put and
+    leave none: (0, 0) there."""
+    if not is_local(fs) or not os.path.isdir(root):
+        return 0, 0
+    files = reclaimed = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if TEMP_MARK not in name:
+                continue
+            path = os.path.join(folder, name)
+            try:
+                info = os.stat(path)
+                if _writer_gone(name, info.st_mtime):
+                    os.remove(path)
+                    files, reclaimed = files + 1, reclaimed + info.st_size
+            except FileNotFoundError:  # renamed or removed meanwhile
+                continue
+    return files, reclaimed
 
 
 def write_chains(

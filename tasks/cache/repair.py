@@ -117,8 +117,11 @@ class CacheChecks:
 
     def verify(self, params: Collection[str] | None = None) -> fmt.VerifyReport:
         """Re-read every shard (size, sha256, parse, tensors as the index lists them), check the
-        params when given, and compare with the manifest when there is one. Moves nothing."""
+        params when given, and compare with the manifest when there is one. Moves nothing but
+        the temporary files an interrupted writer left (deleted, their bytes reported)."""
+        swept = self.sweep_temp_files()
         report = self.check("all", params=params)
+        report.temp_files_removed, report.bytes_reclaimed = swept
         try:
             manifest = self.read_manifest()
         except CacheCorruptError as exc:

@@ -94,6 +94,8 @@ class VerifyReport:
     manifest_samples: int | None = None
     checksums: str = "all"
     quarantined: list[str] = field(default_factory=list)
+    temp_files_removed: int = 0  # an interrupted writer's temporary files deleted
+    bytes_reclaimed: int = 0  # their bytes
 
     @property
     def ok(self) -> bool:
@@ -113,7 +115,18 @@ class VerifyReport:
                 f"  missing {len(self.missing)} of the {self.manifest_samples} samples the "
                 f"manifest lists have no intact copy (e.g. {', '.join(self.missing[:3])}); {fix}"
             )
-        return out + [f"  orphan {p} (shard without index entry; {fix})" for p in self.orphans]
+        out += [f"  orphan {p} (shard without index entry; {fix})" for p in self.orphans]
+        if self.temp_files_removed:
+            out.append(f"  {reclaimed_text(self.temp_files_removed, self.bytes_reclaimed)}")
+        return out
+
+
+def reclaimed_text(files: int, nbytes: int) -> str:
+    """What a sweep of an interrupted writer's temporary files gave back, in words."""
+    return (
+        f"removed {files} unfinished temporary file(s) an interrupted run left "
+        f"({nbytes / 1e6:.2f} MB reclaimed)"
+    )
 
 
 def check_json(value: Any, where: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -41,6 +42,7 @@ from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChe
 from splitstage.tasks.cache.side_records import SideRecords
 from splitstage.tasks.cache.write_ahead import PreparedShard, WriteAhead
 
+MEMO_FOLDER = "data-memo"  # beside the caches: `splitstage.data.hash_memo.FOLDER` (not imported)
 _INDEX_BATCH = 1024  # index entries per batched read (bounds the bytes held at once)
 WRITE_SWITCH_INTERVAL = 0.0001  # s: best of 5 / 0.5 / 0.1 ms for write_shards (switch_interval)
 encode_shard = fmt.encode_shard  # importable from here, as are the errors, QUARANTINE, seen_digest
@@ -380,6 +382,30 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         owners = self.shard_of(keys)
         shards = self.read_shards(sorted(set(owners.values())))
         return {key: shards[shard][key] for key, shard in owners.items()}
+
+    def require_writable(self) -> None:
+        """Write and delete a probe in the cache folder: a read-only, full or forbidden cache is
+        refused now, in one line naming it, not after the data set was indexed."""
+        probe = self._path(f".write-probe-{uuid.uuid4().hex}")
+        with storage_errors(self.url, "write", self._options, field="cache.storage_options"):
+            if st.is_local(self.fs):
+                os.makedirs(self.root, exist_ok=True)
+            else:
+                st.ensure_folder(self.fs, self.root, self.url, field="cache.url")
+            st.write_atomic(self.fs, probe, b"", self._url(probe))
+        with contextlib.suppress(Exception):  # may write but not delete: an empty file stays
+            self.fs.rm(probe)
+
+    def sweep_temp_files(self) -> tuple[int, int]:
+        """Delete the temporary files an interrupted writer left in this cache and in the data
+        memos beside it (a Ctrl-C or a killed worker mid-write; never one whose writer still
+        runs): (files, bytes) reclaimed."""
+        memos = st.join(self.root[: -len(self.cache_key) - 1], MEMO_FOLDER)
+        with storage_errors(
+            self.url, "delete unfinished files under", self._options, field="cache.storage_options"
+        ):
+            found = [st.sweep_temp_files(self.fs, folder) for folder in (self.root, memos)]
+        return sum(f for f, _ in found), sum(b for _, b in found)
 
     def require(self, fix: str) -> None:
         """Raise CacheNotFoundError, one line naming the URL and `fix`, unless this cache's

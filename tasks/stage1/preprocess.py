@@ -61,6 +61,7 @@ from splitstage.tasks.stage1.preprocess_report import (
     summarize_preprocess,
     summarize_shards,
 )
+from splitstage.tasks.stage2.optimization import check_update_rule
 
 ProgressFn = Callable[[int, int], None]
 __all__ = [  # the reports live in `report`; importers reach them from here too
@@ -73,6 +74,7 @@ __all__ = [  # the reports live in `report`; importers reach them from here too
     "preprocess_shard",
     "shard_of",
     "snapshot",
+    "start_preprocess",
     "summarize_preprocess",
     "summarize_shards",
 ]
@@ -326,6 +328,15 @@ def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: D
     return preprocess_shard(config, shard, num_shards, data=data, progress=False, verify=verify)
 
 
+def start_preprocess(plan: JobPlan) -> tuple[int, int]:
+    """A preprocess run's first step (CLI and flow), before the data set is indexed: refuse
+    what `train` would (the update rule), or a cache that cannot be written (one line), then
+    delete what an interrupted run left mid-write; (files, bytes) reclaimed."""
+    check_update_rule(plan.config.train, optimizer_package=False)
+    plan.cache.require_writable()
+    return plan.cache.sweep_temp_files()  # no writer of this run has started yet
+
+
 def preprocess(
     config: SplitstageConfig,
     *,
@@ -339,8 +350,9 @@ def preprocess(
     default only shards modified after their index entry are)."""
     started = time.perf_counter()
     plan = make_plan(config)
-    data = index_data_set(config, shown=Shown(bar=None if progress else False))
+    swept = start_preprocess(plan)
     store = plan.cache
+    data = index_data_set(config, shown=Shown(bar=None if progress else False))
     before = snapshot(store)
     workers = workers or config.preprocess.workers
     run = {"plan": plan, "data": data, "progress": progress, "verify": verify}
@@ -376,4 +388,5 @@ def preprocess(
         result = summarize_shards(plan, store, data, reports, workers)
     result.seconds = time.perf_counter() - started
     result.checksums = "all" if verify else "changed"
+    result.temp_files_removed, result.bytes_reclaimed = swept
     return result

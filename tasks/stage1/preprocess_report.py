@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from splitstage.data.index import DataIndex
-from splitstage.tasks.cache.shard_format import SampleNotCachedError
+from splitstage.tasks.cache.shard_format import SampleNotCachedError, reclaimed_text
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1 import undecodable
@@ -63,6 +63,8 @@ class PreprocessReport:
     quarantined: list[str] = field(default_factory=list)  # the index entries moved aside
     validation_prompts: str | None = None  # URL of the encoded [validation] prompts
     memory: dict[str, float] = field(default_factory=dict)  # the worker with the largest peak
+    temp_files_removed: int = 0  # temporary files an interrupted run left, deleted first
+    bytes_reclaimed: int = 0  # their bytes
 
     def line(self) -> str:
         """The one-line summary the CLI prints."""
@@ -77,6 +79,8 @@ class PreprocessReport:
             line += f"; repaired the cache: {self.repaired} lost samples computed again"
         if self.damaged:
             line += f", {self.damaged} damaged shard(s) moved to {self.cache_url}/quarantine/"
+        if self.temp_files_removed:
+            line += f"; {reclaimed_text(self.temp_files_removed, self.bytes_reclaimed)}"
         return line
 
     def skipped_lines(self, limit: int = 5) -> list[str]:

@@ -30,7 +30,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from splitstage.splitter import UserError
 from splitstage.storage.files import (
+    StorageError,
     ensure_folder,
     join,
     open_fs,
@@ -50,7 +50,7 @@ from splitstage.storage.files import (
 from splitstage.storage.options import resolve_credentials
 from splitstage.storage.safetensors_io import read_metadata
 from splitstage.tasks.stage2.distributed import comm_device
-from splitstage.tasks.stage2.safe_dcp import SafeFsspecReader
+from splitstage.tasks.stage2.safe_dcp import SafeFsspecReader, SafeFsspecWriter
 
 FORMAT = 1  # of the extra-state blob and the checkpoint's COMPLETE marker
 
@@ -191,11 +191,12 @@ def _on_all_ranks(fn: Callable[[], object], ckpt_url: str) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         failed = torch.tensor([int(error is not None)], device=comm_device())
         dist.all_reduce(failed)
-        if error is None and int(failed.item()):
-            raise CheckpointError(
-                f"checkpoint {ckpt_url}: {int(failed.item())} other rank(s) failed to write; "
-                "see their logs"
-            )
+        if int(failed.item()):  # every rank learns the first failing rank's reason (a str)
+            reasons: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(reasons, None if error is None else str(error))
+            if error is None:
+                rank, reason = next((r, m) for r, m in enumerate(reasons) if m is not None)
+                raise CheckpointError(f"rank {rank}: {reason}")
     if error is not None:
         raise error
 
@@ -251,7 +252,10 @@ def _scan(fs, root: str) -> tuple[dict[int, str], dict[int, str]]:
         if not match or entry.get("type") != "directory":
             continue
         path = entry["name"].rstrip("/")
-        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        try:
+            names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        except FileNotFoundError:  # deleted since the listing (rank 0 cleaning up)
+            continue
         target = complete if {COMPLETE, METADATA} <= names else incomplete
         target[int(match.group(1))] = path
     return complete, incomplete
@@ -317,13 +321,83 @@ def save_checkpoint(
     storage_options = resolve_credentials(url, storage_options)  # DCP's writer gets them too
     fs, root = open_fs(url, storage_options)
     path, ckpt_url = join(root, step_dir(step)), f"{url.rstrip('/')}/{step_dir(step)}"
+    try:
+        _write_checkpoint(
+            fs,
+            path,
+            ckpt_url,
+            step,
+            model,
+            optimizers,
+            extra_blob,
+            lora_only,
+            save_rng,
+            storage_options,
+        )
+    except StorageError as error:  # a full, read-only or forbidden place: the older ones stay
+        raise _with_kept(error, fs, root, path) from None
+    except BaseException:
+        _discard(fs, path)
+        raise
+    if _rank() == 0:
+        try:
+            _prune(fs, root, keep_last)
+        except Exception as exc:  # the new checkpoint is complete; pruning can wait for the next
+            log.warning("could not delete old checkpoints under %s: %s", url, exc)
+    return ckpt_url
+
+
+def _discard(fs, path: str) -> None:
+    """Rank 0 deletes a checkpoint whose save failed (all ranks have stopped writing it), so
+    the space it held comes back; a failure to delete is left to the next start's clean-up."""
+    if _rank() == 0:
+        with contextlib.suppress(Exception):
+            _remove(fs, path)
+
+
+def _with_kept(error: StorageError, fs, root: str, path: str) -> StorageError:
+    """`error` (its class, errno kept) with what is left: the unfinished files deleted, the
+    newest complete checkpoint (which the next start resumes from) named."""
+    _discard(fs, path)
+    try:
+        complete, _ = _scan(fs, root)
+    except Exception:  # the listing fails too: say what failed, nothing more
+        return error
+    kept = (
+        f"the last complete checkpoint, {step_dir(max(complete))}, is intact and a rerun "
+        "resumes from it"
+        if complete
+        else "no earlier checkpoint exists"
+    )
+    try:
+        again = type(error)(f"{error}; {kept}")
+    except Exception:  # a class that takes other arguments
+        return error
+    again.errno = error.errno
+    return again
+
+
+def _write_checkpoint(
+    fs,
+    path: str,
+    ckpt_url: str,
+    step: int,
+    model: nn.Module,
+    optimizers,
+    extra_blob: bytes,
+    lora_only: bool,
+    save_rng: bool,
+    storage_options: Mapping[str, Any] | None,
+) -> None:
+    """Write step `step`'s files, COMPLETE last (collective); storage failures as StorageErrors
+    naming the checkpoint."""
     with storage_errors(ckpt_url, "write checkpoint", storage_options):
         _on_all_ranks(lambda: _rank() == 0 and fs.exists(path) and _remove(fs, path), ckpt_url)
         state = _state(model, _as_list(optimizers), lora_only)
         # DCP's writer makedirs the folder, which on s3fs creates a missing bucket: check first
         field = "train.checkpoint_url (default: under output.url)"
         ensure_folder(fs, path, ckpt_url, storage_options, field=field)
-        writer = FsspecWriter(ckpt_url, **dict(storage_options or {}))
+        writer = SafeFsspecWriter(ckpt_url, **dict(storage_options or {}))
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer)  # DCP raises on every rank if one fails
 
@@ -347,12 +421,6 @@ def save_checkpoint(
             lambda: _rank() == 0 and write_atomic(fs, complete, json.dumps(marker).encode()),
             ckpt_url,
         )
-    if _rank() == 0:
-        try:
-            _prune(fs, root, keep_last)
-        except Exception as exc:  # the new checkpoint is complete; pruning can wait for the next
-            log.warning("could not delete old checkpoints under %s: %s", url, exc)
-    return ckpt_url
 
 
 def _read_marker(fs, path: str, ckpt_url: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ family could not export as asked."""
 from __future__ import annotations
 
 import json
+from tempfile import gettempdir
 from typing import Any
 
 import torch
@@ -90,7 +91,9 @@ def export_weights(
     written = {}
     for name, state in states.items():
         plain = {key.replace(f".{LORA_ADAPTER}.", "."): t for key, t in state.items()}
-        for label, (file_name, data) in family.export_files(name, plain, request).items():
+        with storage_errors(gettempdir(), "write the export's scratch files under"):
+            files = family.export_files(name, plain, request)  # may lay files out in TMPDIR
+        for label, (file_name, data) in files.items():
             file_name = with_suffix(file_name, suffix)
             if base and file_name.endswith(".safetensors"):
                 data = with_metadata(data, base)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from splitstage.config.job import ConfigError, TrainConfig
+from splitstage.config.update_rule import SCHEDULE_ARGUMENTS
 from splitstage.tasks.stage2.checkpoint import CheckpointError
 
 # name -> (package to import, pip name, "module:Class")
@@ -30,7 +31,6 @@ OPTIMIZERS = {
 }
 # Arguments splitstage sets itself from [train] (the config has a field for each).
 OWN_ARGUMENTS = ("params", "lr", "weight_decay")
-SCHEDULE_ARGUMENTS = ("num_cycles", "power")
 EMA_PARALLELISM = ("ddp", "pp")  # plain tensors on every rank; FSDP/TP shards are not averaged
 # Optimizers whose state works on plain tensors only (bitsandbytes' kernels take no DTensor).
 PLAIN_TENSOR_OPTIMIZERS = {"adamw8bit": ("ddp", "pp")}
@@ -51,10 +51,13 @@ def optimizer_arguments(train: TrainConfig) -> dict[str, Any]:
     return {**arguments, **extra}
 
 
-def check_update_rule(train: TrainConfig) -> None:
-    """Everything about the optimizer, schedule and EMA that is knowable before launch."""
+def check_update_rule(train: TrainConfig, *, optimizer_package: bool = True) -> None:
+    """Everything about the optimizer, schedule and EMA that is knowable before launch (the
+    values of their arguments: when the config loads, `config.update_rule`).
+    `optimizer_package=False` (preprocess, which may run where training does not): neither
+    require nor import the optimizer's package (bitsandbytes talks when imported)."""
     package, pip_name, _ = OPTIMIZERS[train.optimizer]
-    if importlib.util.find_spec(package) is None:
+    if optimizer_package and importlib.util.find_spec(package) is None:
         raise ConfigError(
             f"train.optimizer={train.optimizer!r} needs the {pip_name} package, which is not "
             f"installed; `pip install {pip_name}` or choose another train.optimizer"
@@ -65,20 +68,15 @@ def check_update_rule(train: TrainConfig) -> None:
             f"train.optimizer_args: {', '.join(own)} come from [train] (learning_rate, "
             "weight_decay); set them there"
         )
-    accepted = inspect.signature(optimizer_class(train.optimizer).__init__).parameters
-    unknown = sorted(set(train.optimizer_args) - set(accepted))
-    if unknown:
-        known = ", ".join(p for p in accepted if p not in ("self", *OWN_ARGUMENTS))
-        raise ConfigError(
-            f"train.optimizer_args: {', '.join(unknown)} is not an argument of the "
-            f"{train.optimizer} optimizer; it takes {known}"
-        )
-    unknown = sorted(set(train.lr_scheduler_args) - set(SCHEDULE_ARGUMENTS))
-    if unknown:
-        raise ConfigError(
-            f"train.lr_scheduler_args: {', '.join(unknown)} is not a schedule argument; "
-            f"use {' or '.join(SCHEDULE_ARGUMENTS)}"
-        )
+    if optimizer_package:
+        accepted = inspect.signature(optimizer_class(train.optimizer).__init__).parameters
+        unknown = sorted(set(train.optimizer_args) - set(accepted))
+        if unknown:
+            known = ", ".join(p for p in accepted if p not in ("self", *OWN_ARGUMENTS))
+            raise ConfigError(
+                f"train.optimizer_args: {', '.join(unknown)} is not an argument of the "
+                f"{train.optimizer} optimizer; it takes {known}"
+            )
     plain_only = PLAIN_TENSOR_OPTIMIZERS.get(train.optimizer)
     if plain_only and train.parallelism not in plain_only:
         raise ConfigError(
@@ -146,11 +144,14 @@ def build_scheduler(
 
 
 def apply_config_to_groups(optimizer: torch.optim.Optimizer, train: TrainConfig) -> None:
-    """After a resume, the config's weight decay holds from here on (the checkpoint's would
-    otherwise stay silently; preflight says what changed); the learning rate comes back
-    through `build_scheduler`."""
+    """After a resume, the config's weight decay and `train.optimizer_args` (betas, eps, ...)
+    hold from here on (the checkpoint's would otherwise stay silently; preflight says what
+    changed); the learning rate comes back through `build_scheduler`."""
+    arguments = {k: v for k, v in optimizer_arguments(train).items() if k != "lr"}
     for group in optimizer.param_groups:
-        group["weight_decay"] = train.weight_decay
+        for name, value in arguments.items():
+            if name in group:  # a setting the group holds, not the optimizer's running state
+                group[name] = value
 
 
 def total_norm(

@@ -30,6 +30,22 @@ def report_error(run_dir: str, error: UserError) -> None:
     record_rank_error(run_dir, {"rank": rank, "message": str(error)})
 
 
+def machine_error(error: BaseException) -> str | None:
+    """The one line for a write that failed for want of space or a read-only disk (ENOSPC,
+    EDQUOT, EFBIG, EROFS) anywhere in the rank, naming the file; None for anything else."""
+    import errno
+
+    from splitstage.storage.files import StorageError, translate_error
+    from splitstage.tasks.stage2.safe_dcp import write_cause
+
+    cause = write_cause(error, [])
+    machine = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+    if cause is None or cause.errno not in machine:
+        return None
+    mapped = translate_error(cause, str(cause.filename or "a file"), "write")
+    return str(mapped) if isinstance(mapped, StorageError) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train this rank of the run the spec file describes; 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
@@ -59,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         report_error(spec.places.run_dir, error)
         return 2
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-        # a write into a folder deleted mid-run: one line, not a traceback
+        # a write into a folder deleted mid-run, or a full / read-only disk: one line
         gone = spec.places.deleted(spec.holds_lease)
-        if gone is None:
+        full = machine_error(error) if gone is None else None
+        if gone is None and full is None:
             raise
-        reason = f"the folder {gone} was deleted while training ({type(error).__name__})"
+        reason = full or f"the folder {gone} was deleted while training ({type(error).__name__})"
         report_error(spec.places.run_dir, UserError(reason))
         return 2
     finally:

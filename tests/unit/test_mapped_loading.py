@@ -143,3 +143,28 @@ def test_an_original_layout_file_is_converted_without_keeping_its_pages(weights,
     for key, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, state[key]) and not in_file(tensor, path), key
     assert resident_file_kb() - before < path.stat().st_size // 1024 // 4
+
+
+def test_a_frozen_stage1_model_converts_one_tensor_at_a_time_without_the_file(weights):
+    """Stage 1's frozen models (pipelines.diffusers.components.place): a file view converted to
+    another dtype hands its pages back; an anonymous buffer and a tied weight keep their values."""
+    from splitstage.pipelines.diffusers.components import place
+    from splitstage.storage.safetensors_io import mapped_state
+
+    path, state = weights
+    with torch.device("meta"):
+        loaded = model()
+    mapped = mapped_state(path)
+    views = {t.data_ptr() for t in mapped.values()}
+    loaded.load_state_dict(mapped, assign=True)
+    mapped.clear()
+    loaded[1].register_buffer("table", torch.arange(WIDTH * WIDTH, dtype=torch.float32))
+    loaded[1].tied = loaded[0].weight  # the same Parameter under two names
+    before = resident_file_kb()
+    place(loaded, torch.device("cpu"), torch.bfloat16, views)
+    assert loaded[1].tied is loaded[0].weight
+    for key, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.bfloat16 and not in_file(tensor, path), key
+        expected = {**state, "1.tied": state["0.weight"]}.get(key, torch.arange(WIDTH * WIDTH))
+        assert torch.equal(tensor, expected.to(torch.bfloat16)), key
+    assert resident_file_kb() - before < path.stat().st_size // 1024 // 4
