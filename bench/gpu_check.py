@@ -1,6 +1,6 @@
-"""A prepared check for one CUDA GPU without network: full-size SD 1.5 and SDXL, split vs unsplit.
+"""A prepared check for one CUDA GPU without network: SD 1.5 / SDXL split vs unsplit, memory levers.
 
-Run: bash bench/gpu_check.sh [--budget 270] [--keep]     (CPU smoke test: --cpu-smoke, < 2 min)
+Run: bash bench/gpu_check.sh [--budget 468] [--keep] [--only levers]   (CPU smoke: --cpu-smoke)
 
 Builds the real architectures from their configs with random weights (SD 1.5: UNet 860M, CLIP-L,
 VAE; SDXL base: UNet 2.6B, CLIP-L + CLIP-G, VAE) as diffusers folders (bf16, save_pretrained) in a
@@ -16,6 +16,13 @@ depths and parameter counts are the real ones. Then, on the GPU:
      through the family's hook: peak CUDA memory and step time, checkpointing on and off
   5. torchrun --nproc_per_node 1: an all_reduce through splitstage's process-group set-up, and the
      real launcher (`train`) on a tiny SD folder: the backend it used (NCCL's log) and its step time
+  6. the memory levers (bench/gpu_levers.py): FLUX.1-dev-size and Qwen-Image-size (20.4B)
+     transformers built by stage 2's own functions, random bf16 weights made on the GPU, a LoRA
+     step at 1024 px with checkpointing for a bf16 base, each `train.base_quantization` (int8,
+     fp8, nf4) and `train.offload = "cpu"`: peak CUDA memory allocated, median step time and the
+     frozen bytes, one row each; they run last, with 80% of their budgets kept for them
+`--only GROUP[,GROUP]` runs some groups (device and imports always): torchrun, flux, sd, sdxl,
+levers.
 Every row has a time budget and the run a hard cap: a row that fails or runs out of time says so
 in the table and the script still exits 0. Without CUDA it says so in one line and exits 0.
 """
@@ -49,7 +56,7 @@ for _name, _value in {**QUIET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}.items():
     os.environ.setdefault(_name, _value)
 
 # kind: (width divisor, resolution, batch, samples encoded, encode batch); then rounds, warm-up
-FULL = {"sd": (1, 512, 4, 64, 8), "sdxl": (1, 1024, 2, 32, 4), "rounds": 10, "warmup": 2}
+FULL = {"sd": (1, 512, 4, 64, 8), "sdxl": (1, 1024, 2, 32, 4), "rounds": 4, "warmup": 1}
 SMOKE = {"sd": (16, 64, 2, 8, 4), "sdxl": (16, 64, 2, 4, 2), "rounds": 3, "warmup": 1}
 # FLUX.1-dev's transformer config (11.9B parameters) and its step at 1024 px; the smoke one tiny
 FLUX_DEV = {
@@ -75,6 +82,9 @@ FLUX_SMOKE = FLUX_DEV | {
 }
 FLUX_STEP = {"full": (FLUX_DEV, 1024, 512), "smoke": (FLUX_SMOKE, 64, 16)}  # config, px, tokens
 ARCH = {"sd": "SD 1.5", "sdxl": "SDXL base"}
+GROUPS = ("torchrun", "flux", "sd", "sdxl", "levers")
+CAP = 468  # seconds of the whole GPU check: under 8 minutes with Python's start and the table
+LEVERS_SHARE = 0.8  # of the lever rows' budgets, kept for them from the start
 
 
 class Skipped(Exception):
@@ -86,10 +96,11 @@ class Check:
 
     def __init__(self, cap: float):
         self.start, self.cap, self.rows, self.deadline = time.monotonic(), cap, [], 0.0
+        self.reserve = 0.0  # seconds of the cap kept for rows still to come
 
     def left(self) -> float:
-        """Seconds left of the total cap."""
-        return self.cap - (time.monotonic() - self.start)
+        """Seconds left of the total cap, less what is reserved for later rows."""
+        return self.cap - (time.monotonic() - self.start) - self.reserve
 
     def row_left(self) -> float:
         """Seconds left of the running row's budget."""
@@ -468,10 +479,16 @@ def _to(value, device):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (< 2 min)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU (< 3 min)")
     parser.add_argument("--budget", type=float, default=None, help="hard cap, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the temp folders")
+    parser.add_argument(
+        "--only", default=",".join(GROUPS), help=f"comma-separated groups of {', '.join(GROUPS)}"
+    )
     args = parser.parse_args(argv)
+    only = {group.strip() for group in args.only.split(",") if group.strip()}
+    if only - set(GROUPS):
+        parser.error(f"--only: unknown {', '.join(sorted(only - set(GROUPS)))}; pick of {GROUPS}")
     if torch is None:
         print(f"gpu_check: torch is not importable here ({TORCH_ERROR}); nothing checked")
         return 0
@@ -481,19 +498,30 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(1 if args.cpu_smoke else os.cpu_count() or 1)
     sizes = SMOKE if args.cpu_smoke else FULL
-    check = Check(args.budget or (110 if args.cpu_smoke else 270))
+    from gpu_levers import QWEN_IMAGE, QWEN_SMOKE, levers_budget, run_levers
+
+    # The lever rows run last (an untried kernel that breaks the CUDA context breaks only them);
+    # 80% of their budgets is kept for them, the rest of the cap goes to the rows before, and
+    # what those leave over goes to the levers.
+    levers = levers_budget(args.cpu_smoke) if "levers" in only else 0.0
+    cap = (110 + LEVERS_SHARE * levers if args.cpu_smoke else CAP) if only - {"levers"} else 0
+    check = Check(args.budget or cap or 40 + levers)
+    check.reserve = min(LEVERS_SHARE * levers, check.cap / 2)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     work = Path(tempfile.mkdtemp(prefix="splitstage-gpu-check-"))
     state: dict = {"keep": args.keep}
     try:
         check.run("device", 20, partial(describe, device))
         check.run("imports", 60, imports)
-        check.run("torchrun nproc 1: all_reduce", 60, partial(all_reduce, device, work, check), 15)
-        check.run("launcher train()", 90, partial(launcher, device, work, check), 30)
-        flux = partial(flux_step, device, work, args.cpu_smoke, check)
-        check.run("flux (FLUX.1-dev size): LoRA step", 90, flux, 30)
-        release("flux", device, state)
-        for kind in ("sd", "sdxl"):
+        if "torchrun" in only:
+            all_reduced = partial(all_reduce, device, work, check)
+            check.run("torchrun nproc 1: all_reduce", 60, all_reduced, 15)
+            check.run("launcher train()", 90, partial(launcher, device, work, check), 30)
+        if "flux" in only:
+            flux = partial(flux_step, device, work, args.cpu_smoke, check)
+            check.run("flux (FLUX.1-dev size): LoRA step", 40, flux, 30)
+            release("flux", device, state)
+        for kind in [kind for kind in ("sd", "sdxl") if kind in only]:
             size, label = sizes[kind], f"{kind} ({ARCH[kind]})"
             build = partial(build_folder, kind, size, device, work, state)
             check.run(f"{label}: build folder", 90 if size[0] == 1 else 30, build, 20)
@@ -506,6 +534,12 @@ def main(argv=None) -> int:
             memory = partial(peak_memory, kind, device, state)
             check.run(f"{label}: peak memory stage 2 / unsplit", 40, memory, 5)
             release(kind, device, state)
+        if "levers" in only:
+            check.reserve = 0.0
+            archs = {"flux": FLUX_DEV, "qwenimage": QWEN_IMAGE}
+            if args.cpu_smoke:
+                archs = {"flux": FLUX_SMOKE, "qwenimage": QWEN_SMOKE}
+            run_levers(check, device, work, args.cpu_smoke, archs)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -28,6 +28,7 @@ from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
 from splitstage.splitter.report import plan_rows
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.memory.memory_plan import MemoryPlan, estimate_memory
 from splitstage.tasks.stage1.preprocess import PreprocessReport
 from splitstage.tasks.stage2.outputs import open_output
 
@@ -82,6 +83,33 @@ def publish_plan(plan: JobPlan) -> None:
         key=artifact_key(config, "offload-plan"),
         description="Models each stage loads and never touches; what the cache holds.",
     )
+    publish_memory_plan(plan)
+
+
+def publish_memory_plan(plan: JobPlan) -> None:
+    """Each stage's estimated peak device memory per rank, by part (what `validate` prints)."""
+    try:
+        memory = estimate_memory(plan)
+    except Exception as error:  # the plan is advice: the run's own checks refuse what matters
+        get_run_logger().warning(f"no memory plan for the dashboard: {error}")
+        return
+    _publish(
+        create_markdown_artifact,
+        markdown=memory_markdown(memory),
+        key=artifact_key(plan.config, "memory-plan"),
+        description="Estimated peak device memory per rank of each stage, by part (GiB).",
+    )
+
+
+def memory_markdown(memory: MemoryPlan) -> str:
+    """The memory plan's table and what each stage was estimated for, as markdown."""
+    lines = memory.lines()
+    parts = [
+        f"### {lines[0]}",
+        markdown_table(["part", "stage 1", "stage 2"], memory.rows()),
+        "",
+    ]
+    return "\n".join(parts + [f"- {line.strip()}" for line in lines[2 + len(memory.rows()) :]])
 
 
 def offload_markdown(plan: JobPlan) -> str:

@@ -63,6 +63,9 @@ class Family:
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out")
     tp_plans: ClassVar[Mapping[str, Mapping[str, str]]] = {}  # model -> FQN pattern -> style
     tasks: ClassVar[tuple[str, ...]] = ("sft",)  # the train.task values this family trains
+    # Whether the memory plan can step its units on fake models (they take models from the
+    # step's context, not from an object of their own that loads them).
+    fake_steps: ClassVar[bool] = True
 
     def __init__(self, config: SplitstageConfig):
         self.config = config
@@ -170,6 +173,11 @@ class Family:
     def build_model(self, name: str, device: torch.device, *, meta: bool = False) -> nn.Module:
         """Build one model: loaded and frozen, or with meta=True on the meta device (no weights)."""
         raise NotImplementedError
+
+    def loaded_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype `build_model(name, device)` holds a frozen model's floating weights in, for
+        plans that build it on meta instead (None: as the meta build makes it)."""
+        return None
 
     def init_buffers(self, model: nn.Module) -> None:
         """Recompute non-persistent buffers (positional tables) that `to_empty` left as garbage."""

@@ -141,6 +141,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from splitstage.tasks.stage1.preprocess import preprocess
 
     config = load_config(args.config)
+    apply_overrides(args, config)
     skip_what_the_job_cannot_use(args, config)
     report = preprocess(
         config,
@@ -162,6 +163,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from splitstage.tasks.launch.launcher import train
 
     config = load_config(args.config)
+    apply_overrides(args, config)
     if args.nproc_per_node:
         config.train.nproc_per_node = args.nproc_per_node
     if args.mode:
@@ -263,18 +265,43 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from splitstage.tasks.stage2.preflight import preflight
 
     config = load_config(args.config)
+    apply_overrides(args, config)
     skip_what_the_job_cannot_use(args, config)
     plan = make_plan(config)
     checks = preflight(plan)
-    print(plan_table(plan.split))
-    print(f"cache key: {plan.cache_key}")
     device = pick_device()
-    for line in planned_precision(plan.family, device):
-        print(f"stage 2 on {device.type}: {line}")
-    print(f"checked: {', '.join(VALIDATED)}; only `train` checks: {', '.join(TRAIN_ONLY)}")
+    precision = planned_precision(plan.family, device)
+    memory = checks.memory.to_dict() if checks.memory else None
     for warning in checks.warnings:
         print(f"splitstage: warning: {warning}", file=sys.stderr)
+    if args.json:
+        found = {**plan.summary(), "precision": precision, "memory": memory}
+        print(json.dumps({**found, "warnings": checks.warnings}, indent=2))
+        return 0
+    print(plan_table(plan.split))
+    print(f"cache key: {plan.cache_key}")
+    for line in precision:
+        print(f"stage 2 on {device.type}: {line}")
+    for line in checks.memory.lines() if checks.memory else [checks.memory_note or ""]:
+        print(line)
+    print(f"checked: {', '.join(VALIDATED)}; only `train` checks: {', '.join(TRAIN_ONLY)}")
     return 0
+
+
+def apply_overrides(args: argparse.Namespace, config) -> None:
+    """The command line's overrides of the config (`--device-memory`)."""
+    if getattr(args, "device_memory", None) is not None:
+        config.train.device_memory = args.device_memory
+
+
+def _size(value: str) -> int:
+    """An argparse type: a size such as 24GiB or 80GB, or bytes."""
+    from splitstage.config.job import parse_size
+
+    try:
+        return parse_size(value, "--device-memory")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--device-memory: ")) from None
 
 
 VALIDATED = (  # what `validate` and a `train` rank's set-up both check (preflight)
@@ -284,6 +311,7 @@ VALIDATED = (  # what `validate` and a `train` rank's set-up both check (preflig
     "the export",
     "the batches against the data set",
     "validation sampling",
+    "each stage's device memory against train.device_memory",
 )
 TRAIN_ONLY = (  # what needs a run: its places, its lease, the cache it trains on
     "the cache holds exactly the data set (validate warns)",
@@ -343,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("validate", help="check a job config; print its plan and cache key")
     check.add_argument("config", metavar="CONFIG.toml")
+    check.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_device_memory(check)
     check.set_defaults(run=cmd_validate)
 
     fam = sub.add_parser("families", help="list the pipeline families and their settings")
@@ -358,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-read every cached shard (default: only shards changed since their commit)",
     )
     pre.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_device_memory(pre)
     pre.set_defaults(run=cmd_preprocess)
 
     tr = sub.add_parser("train", help="stage 2: train V1 + the denoiser from the cache (torchrun)")
@@ -367,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--nproc-per-node", type=count(1), help="override train.nproc_per_node")
     tr.add_argument("--mode", choices=("split", "unsplit"), help="override train.mode")
     tr.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_device_memory(tr)
     tr.set_defaults(run=cmd_train)
 
     cache = sub.add_parser("cache", help="inspect a job's stage-1 cache")
@@ -390,6 +422,16 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("--seed", type=int, default=0)
     weights.set_defaults(run=cmd_demo_weights)
     return parser
+
+
+def add_device_memory(parser: argparse.ArgumentParser) -> None:
+    """The `--device-memory` override of train.device_memory."""
+    parser.add_argument(
+        "--device-memory",
+        type=_size,
+        metavar="SIZE",
+        help="override train.device_memory (e.g. 24GiB): refuse a job estimated above it",
+    )
 
 
 def skip_what_the_job_cannot_use(args: argparse.Namespace, config) -> None:

@@ -22,6 +22,7 @@ from splitstage.pipelines.demo.text import (
     encode_prompts,
     load_text_encoder,
     load_tiny_text_encoder,
+    meta_text_encoder,
     text_encoder_path,
 )
 from splitstage.pipelines.demo.vae import VAEEncoder
@@ -204,7 +205,9 @@ class DemoFamily(Family):
         source = self.model_source(name)
         if name == "text_encoder":
             self.check_models([name])
-            if source.builder == "minilm":
+            if source.builder == "minilm" and meta:  # shapes only: no weights read
+                encoder, tokenizer = meta_text_encoder()
+            elif source.builder == "minilm":
                 encoder, tokenizer = load_text_encoder(device)
             else:
                 encoder, tokenizer = load_tiny_text_encoder(device, seed=self.config.job.seed)

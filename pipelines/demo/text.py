@@ -61,6 +61,20 @@ def load_text_encoder(
     return encoder, tokenizer
 
 
+def meta_text_encoder() -> tuple[TextEncoder, object]:
+    """all-MiniLM-L6-v2 from its config alone, on the meta device (no weights read), and its
+    tokenizer: for plans that only need its shapes."""
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    path = text_encoder_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    return TextEncoder(model).eval().requires_grad_(False), tokenizer
+
+
 class TinyTokenizer:
     """Word-hash tokenizer (crc32 of lower-cased words) with a HF-tokenizer-like call signature."""
 

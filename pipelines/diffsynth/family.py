@@ -81,6 +81,8 @@ def call_through(module: nn.Module, fn) -> Any:
 class DiffSynthFamily(Family):
     """A DiffSynth pipeline class built from local model files; its units, model_fn and loss."""
 
+    fake_steps = False  # its units call DiffSynth's pipeline object, which loads its models
+
     name = "diffsynth"
     default_lora_targets = ()
     tasks = tuple(LOSSES)

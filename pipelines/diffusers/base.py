@@ -266,6 +266,10 @@ class DiffusersFamily(Family):
             return build_empty(component)
         return load_frozen(component, device, DTYPES[self.config.pipeline.precision])
 
+    def loaded_dtype(self, name: str) -> torch.dtype:
+        """`pipeline.precision`, which `load_frozen` casts every component to."""
+        return DTYPES[self.config.pipeline.precision]
+
     def init_buffers(self, model: nn.Module) -> None:
         """CLIP's position ids and T5's tied embeddings, after `to_empty`."""
         init_buffers(model)

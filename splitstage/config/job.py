@@ -34,6 +34,37 @@ from splitstage.storage.urls import (
     validate_rdzv_endpoint,
 )
 
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: Any, field_name: str) -> int:
+    """Bytes of a size given as bytes or a string such as '24GiB', '80GB' or '512 MiB'."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}: expected a size such as '24GiB', got {value!r}")
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    else:
+        text = str(value).strip().lower().replace(" ", "").replace("_", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        number, unit = (float(digits) if digits else -1.0), text[len(digits) :]
+    if unit not in SIZE_UNITS or number <= 0:
+        raise ValueError(
+            f"{field_name}: expected a size such as '24GiB', '80GB' or a number of bytes, "
+            f"got {value!r}"
+        )
+    return int(number * SIZE_UNITS[unit])
+
 
 def storage_url(cls: type, value: str) -> str:
     """A config validator: the storage URL in normal form (see `storage.urls`)."""
@@ -357,6 +388,17 @@ class TrainConfig(Group):
     keep_checkpoints: int = Field(2, ge=1)
     checkpoint_url: str | None = Field(None, description="Defaults to <output.url>/checkpoints.")
     log_every: int = Field(10, ge=1)
+    device_memory: int | None = Field(
+        None,
+        description="Device memory one rank (and one preprocess worker) may use: '24GiB', "
+        "'80GB' or bytes; a job estimated above it is refused before any model loads; "
+        "default: the GPU's own memory, none on a CPU.",
+    )
+
+    @field_validator("device_memory", mode="before")
+    @classmethod
+    def _device_memory(cls, value: Any) -> int | None:
+        return None if value is None else parse_size(value, "train.device_memory")
 
     @field_validator("checkpoint_url")
     @classmethod
@@ -370,6 +412,7 @@ class TrainConfig(Group):
 
     _optimizer_args = field_validator("optimizer_args")(checked_optimizer_args)
     _schedule_args = field_validator("lr_scheduler_args")(checked_schedule_args)
+
     allow_stale_cache: bool = Field(
         False,
         description="Train on the cached samples of the data set even when the cache does not "

@@ -16,6 +16,7 @@ reports and the coordinator's manifest are in `report` (re-exported here).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -34,7 +35,9 @@ from splitstage.config.job import SplitstageConfig
 from splitstage.data.dataset import DataError, Row
 from splitstage.data.index import DataIndex, Shown, index_data_set
 from splitstage.data.source import DataSource
+from splitstage.pipelines.distill_rows import check_rows
 from splitstage.pipelines.runtime import StepContext, collate_samples, run_units, split_batch
+from splitstage.process.unused_imports import skip_unused_libraries
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.shard_format import CacheCorruptError, ShardProblem
 from splitstage.tasks.cache.store import CacheStore
@@ -51,6 +54,7 @@ from splitstage.tasks.device import (
     tensor_mb,
 )
 from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.memory.budget import check_stage1_memory
 from splitstage.tasks.stage1 import undecodable
 from splitstage.tasks.stage1.overlap import OverlappedRun
 from splitstage.tasks.stage1.preprocess_report import (
@@ -143,7 +147,9 @@ def preprocess_shard(
         )
     started = time.perf_counter()
     plan = plan or make_plan(config)
-    data = data or index_data_set(config, shown=Shown(bar=None if progress else False))
+    if data is None:  # a shard on its own (a deployment's): its rows checked here, once
+        data = index_data_set(config, shown=Shown(bar=None if progress else False))
+        check_rows(config, data.rows)
     store = plan.cache  # opened once per process: every shard and the coordinator share it
     keys = data.keys
     mine = [i for i, k in enumerate(keys) if num_shards == 1 or shard_of(k, num_shards) == shard]
@@ -310,13 +316,16 @@ def ctrl_c_ignored_by_children() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _worker_start() -> None:
+def _worker_start(config_json: str) -> None:
     """Pool-worker start: Ctrl-C in the terminal reaches the whole process group; the
     coordinator alone handles it (it stops the workers; their shards are written atomically).
     tqdm's lock is a thread lock here: its default, a multiprocessing lock, is a named semaphore
-    a stopped worker never releases (the resource tracker then warns of a leak at exit)."""
+    a stopped worker never releases (the resource tracker then warns of a leak at exit).
+    A worker serves this one job (the pool ends with the run): the libraries it cannot use are
+    marked absent before any family imports them (bitsandbytes' and torchao's import lines)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tqdm.set_lock(threading.RLock())
+    skip_unused_libraries(json.loads(config_json))
 
 
 def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: DataIndex, verify):
@@ -351,8 +360,10 @@ def preprocess(
     started = time.perf_counter()
     plan = make_plan(config)
     swept = start_preprocess(plan)
+    check_stage1_memory(plan)  # a worker over train.device_memory: refused before any model
     store = plan.cache
     data = index_data_set(config, shown=Shown(bar=None if progress else False))
+    check_rows(config, data.rows)  # the task's row values, before any worker loads a model
     before = snapshot(store)
     workers = workers or config.preprocess.workers
     run = {"plan": plan, "data": data, "progress": progress, "verify": verify}
@@ -369,7 +380,8 @@ def preprocess(
         )
         payload = config.model_dump_json()
         context = get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_start) as pool:
+        start = {"initializer": _worker_start, "initargs": (payload,)}
+        with ProcessPoolExecutor(workers, mp_context=context, **start) as pool:
             try:
                 with ctrl_c_ignored_by_children():
                     futures = [

@@ -24,7 +24,10 @@ from splitstage.splitter import UserError
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.validation_prompts import read_validation_prompts
+from splitstage.tasks.device import pick_device
 from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.memory.budget import MemoryBudgetError, checked_memory_plan
+from splitstage.tasks.memory.memory_plan import MemoryPlan, device_budget
 from splitstage.tasks.stage2.batch_plan import plan_epoch
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.export import check_export
@@ -58,6 +61,8 @@ class Preflight:
     settings: dict = field(default_factory=dict)
     keys: KeyTable | None = None  # the keys to train on, once the cache holds them
     tail: dict | None = None  # per epoch: groups, samples dropped and repeated (the trainer's)
+    memory: MemoryPlan | None = None  # each stage's estimated peak per rank, by part
+    memory_note: str | None = None  # why there is no estimate, when there is none
 
 
 def data_parallel_degree(config: SplitstageConfig) -> int:
@@ -324,6 +329,7 @@ def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
     targets = check_trainable(plan)
     check_export(plan)
     check_gradient_checkpointing(plan)
+    result.memory = memory_plan(plan, result, training=places is not None)
     dp = data_parallel_degree(config)
     result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
     saved = saved_checkpoint(places) if places is not None else None  # listed and read once
@@ -357,6 +363,25 @@ def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
         step, url, settings = saved
         result.warnings += compare(settings, result.settings, step=step, checkpoint_url=url)
     return result
+
+
+def memory_plan(plan: JobPlan, result: Preflight, *, training: bool) -> MemoryPlan | None:
+    """Each stage's estimated peak per rank (fake models, no weights), refused over the budget
+    (`train.device_memory`; `training`: stage 2 alone, and nothing estimated without a budget,
+    as on a CPU); an estimate that fails on a family's code is a warning."""
+    if training and device_budget(plan.config.train.device_memory, pick_device()) is None:
+        return None
+    try:
+        return checked_memory_plan(plan, ("stage2",) if training else ("stage1", "stage2"))
+    except (MemoryBudgetError, UserError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the plan is advice; the run itself decides
+        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        why = line if isinstance(error, NotImplementedError) else f"{type(error).__name__}: "
+        why += "" if isinstance(error, NotImplementedError) else line[:200]
+        result.memory_note = f"memory plan: no estimate ({why}); no device-memory check"
+        result.notes.append(result.memory_note)
+        return None
 
 
 def check_validation(plan: JobPlan, result, *, strict: bool) -> None:

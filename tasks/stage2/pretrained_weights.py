@@ -402,7 +402,7 @@ class LoadReport:
 
 
 @contextlib.contextmanager
-def _left_on_meta(model: nn.Module, keys: Mapping[str, object]):
+def left_on_meta(model: nn.Module, keys: Mapping[str, object]):
     """Hide the parameters of `keys` (logical names) from `to_empty`, so it allocates nothing for
     them; they come back on the meta device for their installers."""
     hidden = []
@@ -567,7 +567,7 @@ def materialize_and_load(
     if installers and strategy != "slices":
         raise ValueError("installers (a quantized base) load with strategy='slices' only")
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        with _left_on_meta(model, installers):
+        with left_on_meta(model, installers):
             model.to_empty(device=device)
     targets = model_tensors(model)  # to_empty may replace tensors
     adapters = sorted(key for key in targets if is_adapter(key))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 KINDS = ("int8", "fp8", "nf4")
@@ -203,9 +204,12 @@ def quantizing_load(
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor holds, a quantized tensor's parts (data and scales) included."""
+    if isinstance(tensor, DTensor):  # this rank's shard (its flatten names a mesh too)
+        return tensor_nbytes(tensor.to_local())
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_nbytes(getattr(tensor, name)) for name in names)
+        parts = [getattr(tensor, name) for name in names]
+        return sum(tensor_nbytes(part) for part in parts if isinstance(part, torch.Tensor))
     return tensor.numel() * tensor.element_size()
 
 

@@ -115,6 +115,15 @@ def test_training_before_preprocess_says_run_preprocess(assets, tmp_path, capsys
     assert code == 0 and "warning: train would refuse now" in err
 
 
+def test_a_rank_over_the_device_budget_is_refused_before_any_model_loads(cached, tmp_path, capsys):
+    """Rank 0's checks estimate stage 2 (fake tensors) and refuse it over --device-memory."""
+    path = job(cached, tmp_path)
+    code, err = cli(["train", path, "--device-memory", "1MiB"], capsys)
+    check_one_line(code, err, "train.device_memory: stage 2 (one rank) needs", "largest part")
+    assert "over the budget of 0.000977 GiB" in err
+    assert not list(tmp_path.glob("out/**/*.safetensors"))
+
+
 def test_node_rank_outside_the_job(cached, tmp_path, capsys):
     path = job(cached, tmp_path)
     check_one_line(*cli(["train", path, "--node-rank", "3"], capsys), "--node-rank 3", "0..0")

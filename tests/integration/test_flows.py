@@ -21,7 +21,7 @@ from splitstage.storage.files import StorageCredentialsError, StorageUnreachable
 
 CANARY_KEY_ID = "AKIACANARYKEYID0000"
 CANARY_SECRET = "canary-secret-must-never-be-shown-7f3a"
-PLAN_ARTIFACTS = ("split-plan", "offload-plan")
+PLAN_ARTIFACTS = ("split-plan", "offload-plan", "memory-plan")
 RUN_ARTIFACTS = (
     "cache-stats",
     "index-progress",  # both runs hash images: 12, then the 3 new ones

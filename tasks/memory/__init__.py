@@ -1,0 +1,1 @@
+"""Device memory per stage, known before launch: fake models stepped under torch's tracker."""

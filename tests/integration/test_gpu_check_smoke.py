@@ -1,0 +1,49 @@
+"""bench/gpu_check.sh's lever rows at tiny sizes on this CPU (the GPU path itself needs a GPU):
+FLUX.1-dev-size and Qwen-Image-size transformers, shrunk, through stage 2's own build for a bf16
+base, each base_quantization and offload = "cpu"; every row reports its step time and frozen
+bytes, and the quantized bases hold fewer bytes than the bf16 one.
+Run: .venv/bin/pytest -m slow tests/integration/test_gpu_check_smoke.py
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+LEVERS = ("bf16 base", "int8", "fp8", "nf4", "offload cpu")
+MODELS = ("flux (FLUX.1-dev size)", "qwenimage (Qwen-Image size)")
+RESULT = re.compile(r"(\d+\.\d+) s/step \(median of \d\), frozen (\d+\.\d+) MiB (on|in) ")
+
+
+def test_cpu_smoke_reports_every_lever_row():
+    done = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--cpu-smoke", "--only", "levers"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = dict(
+        line.strip("| ").split(" | ", 1)
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and " | " in line
+    )
+    for model in MODELS:
+        frozen = {}
+        for lever in LEVERS:
+            name = f"{model}: LoRA step 64 px, checkpointing, {lever}"
+            result = table.get(name, "missing")
+            found = RESULT.search(result)
+            assert found, f"{name}: {result}"
+            assert float(found[1]) > 0
+            frozen[lever] = float(found[2])
+        assert frozen["offload cpu"] == frozen["bf16 base"], frozen
+        assert frozen["int8"] <= 0.55 * frozen["bf16 base"], frozen
+        assert frozen["fp8"] <= 0.55 * frozen["bf16 base"], frozen
+        assert frozen["nf4"] <= 0.3 * frozen["bf16 base"], frozen
