@@ -339,9 +339,11 @@ def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: D
 
 def start_preprocess(plan: JobPlan) -> tuple[int, int]:
     """A preprocess run's first step (CLI and flow), before the data set is indexed: refuse
-    what `train` would (the update rule), or a cache that cannot be written (one line), then
-    delete what an interrupted run left mid-write; (files, bytes) reclaimed."""
+    what `train` would (the update rule), a worker over the device budget, or a cache that
+    cannot be written (one line), then delete what an interrupted run left mid-write; (files,
+    bytes) reclaimed."""
     check_update_rule(plan.config.train, optimizer_package=False)
+    check_stage1_memory(plan)  # a worker over train.device_memory: refused before any model
     plan.cache.require_writable()
     return plan.cache.sweep_temp_files()  # no writer of this run has started yet
 
@@ -360,7 +362,6 @@ def preprocess(
     started = time.perf_counter()
     plan = make_plan(config)
     swept = start_preprocess(plan)
-    check_stage1_memory(plan)  # a worker over train.device_memory: refused before any model
     store = plan.cache
     data = index_data_set(config, shown=Shown(bar=None if progress else False))
     check_rows(config, data.rows)  # the task's row values, before any worker loads a model
