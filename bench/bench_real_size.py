@@ -1,23 +1,25 @@
 """Stage 2 at SD 1.5's real size through the real launcher: the rank's peak RSS over the UNet
 file's bytes for the memory levers side by side, in one run.
 
-Run: .venv/bin/python bench/bench_real_size.py [--steps 3] [--cases default,nf4+ckpt]
+Run: .venv/bin/python bench/bench_real_size.py [--steps 3] [--cases "default,nf4 + ckpt"]
 
 Builds once, under runs/bench/real_size/sd15 (never committed, nothing downloaded), a diffusers
 folder with SD 1.5's real configs and random weights: the UNet (859.5M parameters, a 3.44 GB
 fp32 file), the CLIP ViT-L text encoder (123M) and the VAE (84M); the tokenizer and scheduler of
-the tiny test folder. Four captioned 256 px images, preprocessed once (stage 1's peak RSS is
-printed too). Each case then trains LoRA rank 4 on the UNet, 256 px, batch 1, `--steps` updates,
-one CPU rank (1 torch thread), through `splitstage.tasks.launch.launcher.train`: the same road
-as `splitstage train`. Printed per case: the rank's peak RSS (VmHWM, file-mapped pages included)
-over the UNet file's bytes, the RSS after imports, and the mean update time after the first.
+the tiny test folder. Four captioned 256 px images go through stage 1 (one worker, a fresh
+cache each run: its peak against its resident memory before the models and the models' bytes,
+from the preprocess report). Each case then trains LoRA rank 4 on the UNet, 256 px, batch 1,
+`--steps` updates, one CPU rank (1 torch thread), through the real launcher
+(`splitstage.tasks.launch.launcher.train`, the road of `splitstage train`). Printed per case:
+the rank's peak RSS (VmHWM, file-mapped pages included) over the UNet file's bytes, the RSS
+after imports, and the mean update time after the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -89,7 +91,7 @@ def write_folder() -> None:
     os.replace(partial, FOLDER)
 
 
-def job(case: dict, steps: int):
+def job(case: dict, steps: int, cache: str = "cache"):
     """The case's config: LoRA rank 4 on the real-size UNet, 256 px, batch 1."""
     from splitstage.config.job import config_from_dict
 
@@ -100,44 +102,54 @@ def job(case: dict, steps: int):
             "pipeline": {"name": "sd", "pretrained": str(FOLDER), "resolution": 256},
             "trainable": {"lora_base_model": "unet", "lora_rank": 4},
             "data": {"base_path": str(WORK / "data")},
-            "cache": {"url": str(WORK / "cache")},
+            "cache": {"url": str(WORK / cache)},
             "train": train | case,
             "output": {"url": str(WORK / "out")},
         }
     )
 
 
-def preprocess_once() -> float | None:
-    """Stage 1 over the images in a child process (its largest process's peak RSS, GiB), once."""
-    if (WORK / "cache").is_dir():
-        return None
-    from splitstage.data.digits import write_digits_dataset
+def stage1(cache: str) -> dict:
+    """Stage 1 over the images in a child process (one worker) into `cache`: its memory record
+    (MiB: resident before the models, the models' bytes, the peak)."""
+    if not (WORK / "data").is_dir():
+        from splitstage.data.digits import write_digits_dataset
 
-    write_digits_dataset(WORK / "data", limit=4, size=256)
-    command = [sys.executable, __file__, "--preprocess"]
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+        write_digits_dataset(WORK / "data", limit=4, size=256)
+    shutil.rmtree(WORK / cache, ignore_errors=True)
+    command = [sys.executable, __file__, "--preprocess", cache]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("MEMORY "))
+    return json.loads(line.removeprefix("MEMORY "))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="LoRA updates per case")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
-    parser.add_argument("--preprocess", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--preprocess", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.preprocess:
         from splitstage.tasks.stage1.preprocess import preprocess
 
-        preprocess(job({}, 1), workers=1, progress=False)
+        report = preprocess(job({}, 1, cache=args.preprocess), workers=1, progress=False)
+        print("MEMORY " + json.dumps(report.memory))
         return
     write_folder()
-    stage1 = preprocess_once()
+    memory = stage1("cache-stage1-check")
+    if not (WORK / "cache").is_dir():
+        stage1("cache")
     from splitstage.tasks.launch.launcher import train
 
     file_gb = UNET_FILE.stat().st_size / 2**30
     print(f"UNet file: {file_gb:.2f} GiB; 256 px, batch 1, LoRA rank 4, {args.steps} updates")
-    if stage1 is not None:
-        print(f"stage 1 (preprocess) largest process peak RSS: {stage1:.2f} GiB")
+    above = memory["peak_rss_mb"] - memory["before_models_mb"]
+    print(
+        f"stage 1 (one worker, fp32): peak {memory['peak_rss_mb'] / 1024:.2f} GiB = resident "
+        f"before the models {memory['before_models_mb'] / 1024:.2f} GiB + "
+        f"{above / memory['models_mb']:.2f}x the models' {memory['models_mb'] / 1024:.2f} GiB"
+    )
     print(f"{'case':<28} {'peak/file':>9} {'peak GiB':>9} {'after imports':>13} {'s/update':>9}")
     env = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for name in args.cases.split(","):

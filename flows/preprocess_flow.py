@@ -36,6 +36,7 @@ from splitstage.flows.task_wrappers import (
     snapshot_cache,
     validation_prompts_task,
 )
+from splitstage.pipelines.distill_rows import check_rows
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage1.preprocess import ShardReport, start_preprocess
 
@@ -150,6 +151,7 @@ def preprocess_planned(
     started = time.perf_counter()
     swept = start_preprocess(plan)  # refusals, an unwritable cache, an interrupted run's files
     data = index_data(config)
+    check_rows(config, data.rows)  # the task's row values, before any shard loads a model
     before = snapshot_cache(plan)
     new = len(set(data.keys) - before.keys)
     logger.info(

@@ -186,6 +186,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from splitstage.tasks.job_plan import make_plan, open_cache
 
     config = load_config(args.config)
+    skip_what_the_job_cannot_use(args, config)
     plan = make_plan(config)
     store = open_cache(plan)
     fix = f"run `splitstage preprocess {args.config}`"

@@ -42,15 +42,15 @@ from splitstage.pipelines.diffsynth.loader import (
     training_mode,
 )
 from splitstage.pipelines.diffsynth.pipeline_units import DiffSynthUnits, loss_inputs
+from splitstage.pipelines.distill_rows import distill_values
 from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
 from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline
 
 RESIZE = "diffsynth"  # DiffSynth's ImageCropAndResize: bilinear, both sides rounded
-BASE_INPUTS = {
+BASE_INPUTS = {  # rand_device: the pipeline's device (pipeline_units.ON_PIPE_DEVICE)
     "cfg_scale": 1,
-    "rand_device": "cpu",
     "use_gradient_checkpointing": False,
     "use_gradient_checkpointing_offload": False,
 }
@@ -64,8 +64,6 @@ LOSSES = {
         ("timestep", "progress_id"),
     ),
 }
-# Row columns direct distillation requires (DiffSynth's metadata; rand_device, cfg_scale optional).
-DISTILL_COLUMNS = ("seed", "num_inference_steps")
 
 
 def call_through(module: nn.Module, fn) -> Any:
@@ -366,25 +364,9 @@ class DiffSynthFamily(Family):
 
 
 def distill_inputs(row: Row) -> dict[str, Any]:
-    """The row's teacher settings DirectDistillLoss reads (seed and steps required)."""
-    missing = [c for c in DISTILL_COLUMNS if row.extras.get(c) in (None, "")]
-    if missing:
-        raise ConfigError(
-            f"{row.where}: train.task = 'direct_distill' needs the column(s) "
-            f"{', '.join(missing)} (the teacher's seed and steps); add them to the metadata"
-        )
-    try:
-        values = {c: int(row.extras[c]) for c in DISTILL_COLUMNS}
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"{row.where}: seed and num_inference_steps must be integers "
-            f"(got {row.extras['seed']!r}, {row.extras['num_inference_steps']!r})"
-        ) from None
-    if row.extras.get("rand_device") not in (None, ""):
-        values["rand_device"] = str(row.extras["rand_device"])
-    if row.extras.get("cfg_scale") not in (None, ""):
-        values["cfg_scale"] = float(row.extras["cfg_scale"])
-    return values
+    """The row's teacher settings DirectDistillLoss reads, checked (distill_rows.py); those
+    the row leaves empty keep train.py's values (cfg_scale 1, rand_device the pipeline's)."""
+    return {k: v for k, v in distill_values(row).items() if v is not None}
 
 
 def _names(value: Any) -> list[str]:

@@ -31,13 +31,21 @@ TENSOR_LISTS = {
 }
 
 
+# Inputs DiffSynth's train.py sets to the pipeline's device (`"rand_device": self.pipe.device`)
+# unless the row gives them: the noise of a row without `rand_device` is drawn where it runs.
+ON_PIPE_DEVICE = ("rand_device",)
+
+
 @dataclass
 class Triple:
-    """DiffSynth's inputs of one sample: shared, posi and nega dicts."""
+    """DiffSynth's inputs of one sample: shared, posi and nega dicts; `defaults`: the shared
+    names still holding train.py's fixed values, which the data's values replace (as
+    DiffSynth's `parse_extra_inputs` puts the row's extra inputs over them)."""
 
     shared: dict[str, Any]
     posi: dict[str, Any] = field(default_factory=dict)
     nega: dict[str, Any] = field(default_factory=dict)
+    defaults: set[str] = field(default_factory=set)
 
     def get(self, name: str) -> Any:
         """A param as DiffSynth's losses see it: posi over shared (`**shared, **posi`)."""
@@ -62,7 +70,9 @@ class Session:
         starts a new pass."""
         fresh = ctx is not self.ctx or index <= self.last_index or len(self.triples) != count
         if fresh:
-            self.triples = [Triple(dict(self.constants)) for _ in range(count)]
+            self.triples = [
+                Triple(dict(self.constants), defaults=set(self.constants)) for _ in range(count)
+            ]
         self.ctx, self.last_index = ctx, index
         return self.triples
 
@@ -155,16 +165,26 @@ class DiffSynthUnits:
             for index, (unit, spec) in enumerate(zip(self.units, self.specs))
         ]
 
-    def seed(self, triple: Triple, unit: Any, spec: Unit, values: Mapping[str, Any]) -> None:
-        """Put the params the runtime handed in (data or earlier passes) into a triple."""
+    def seed(
+        self, triple: Triple, unit: Any, values: Mapping[str, Any], device: Any = None
+    ) -> None:
+        """Put the params the runtime handed in (data or earlier passes) into a triple: over
+        train.py's fixed values, never over what a unit of this pass wrote; an input train.py
+        sets to the pipeline's device gets `device` when nothing gave it."""
         posi = dict(getattr(unit, "input_params_posi", None) or {})
         for argument, value in values.items():
             if argument in posi:
                 name = posi[argument]
                 if not triple.has(name):
                     triple.posi[name] = decode(name, value, self.lists)
-            elif not triple.has(argument):
+            elif not triple.has(argument) or argument in triple.defaults:
+                if value is None and argument in triple.shared:
+                    continue  # nothing given: train.py's value stays
                 triple.shared[argument] = decode(argument, value, self.lists)
+                triple.defaults.discard(argument)
+        for name in ON_PIPE_DEVICE:
+            if name in triple.shared and triple.shared[name] is None and device is not None:
+                triple.shared[name] = device
 
     def _process(self, index: int, unit: Any, spec: Unit):
         def process(ctx: StepContext, **values: Any) -> dict[str, Any]:
@@ -173,11 +193,15 @@ class DiffSynthUnits:
             outputs: dict[str, list[Any]] = {name: [] for name in spec.output_params}
             pipe = self.loaded()
             for i, triple in enumerate(triples):
-                self.seed(triple, unit, spec, {k: pick(v, i, count) for k, v in values.items()})
+                given = {k: pick(v, i, count) for k, v in values.items()}
+                self.seed(triple, unit, given, getattr(pipe, "device", None))
+                before = {n: triple.shared.get(n) for n in triple.defaults}
                 shared, posi, nega = pipe.unit_runner(
                     unit, pipe, triple.shared, triple.posi, triple.nega
                 )
                 triple.shared, triple.posi, triple.nega = shared, posi, nega
+                # a name the unit wrote (in place or in a new dict) is the unit's now
+                triple.defaults = {n for n, v in before.items() if shared.get(n) is v}
                 for name in outputs:
                     value = triple.get(name)
                     outputs[name].append(encode(name, value, spec.name, self.lists))
@@ -190,14 +214,17 @@ def loss_inputs(
     session: Session, ctx: StepContext, inputs: Mapping[str, Any], lists: frozenset[str]
 ) -> list[dict[str, Any]]:
     """Per sample, what DiffSynth's loss gets (`**shared, **posi`): the batch's params decoded,
-    over the session's (V1 units' writes), without the params no unit set (None)."""
+    under the session's (V1 units' writes), over train.py's fixed values, without the params no
+    unit set (None)."""
     count = batch_size(inputs)
     triples = session.of(ctx, count)
     samples = []
     for i in range(count):
         values = {k: decode(k, pick(v, i, count), lists) for k, v in inputs.items()}
-        if triples is not None:
-            values = {**values, **triples[i].shared, **triples[i].posi}
+        if triples is not None:  # the units' writes over the batch, train.py's values under it
+            triple = triples[i]
+            shared = {k: v for k, v in triple.shared.items() if k not in triple.defaults}
+            values = {**values, **shared, **triple.posi}
         values = {**session.constants, **values}
         samples.append({k: v for k, v in values.items() if v is not None})
     return samples

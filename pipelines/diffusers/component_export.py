@@ -23,6 +23,37 @@ from splitstage.pipelines.family import ExportRequest
 Files = dict[str, tuple[str, bytes]]
 # The components a LoRA exports from, per family, denoiser first: those both layouts hold.
 LORA_COMPONENTS = {family: tuple(prefixes) for family, prefixes in KOHYA_PREFIX.items()}
+# The components each family's diffusers pipeline reads with `load_lora_weights` (its
+# `_lora_loadable_modules` in diffusers 0.42; tests compare). A LoRA of another exported
+# component (the T5 of flux and sd3) is skipped there without an error, and their kohya files
+# raise: such a LoRA is written as a PEFT adapter folder instead (`PeftModel.from_pretrained(
+# pipe.<component>, "<output>/<component>")`, or transformers' `load_adapter`), besides the kohya
+# file ComfyUI maps (`lora_te2_` / `lora_te3_`: its T5 keys).
+PIPELINE_LORA_MODULES = {
+    "sd": ("unet", "text_encoder"),
+    "sdxl": ("unet", "text_encoder", "text_encoder_2"),
+    "sd3": ("transformer", "text_encoder", "text_encoder_2"),
+    "flux": ("transformer", "text_encoder"),
+    "qwenimage": ("transformer",),
+}
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module paths
+
+
+def peft_adapter_files(component: str, lora: dict[str, torch.Tensor], request) -> Files:
+    """`<component>/adapter_model.safetensors` and `adapter_config.json`, as peft's
+    save_pretrained writes them (module paths as in the model, alpha / rank in the config)."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=request.rank, lora_alpha=request.alpha, target_modules=request.targets)
+    tensors = {PEFT_PREFIX + key: tensor for key, tensor in lora.items()}
+    with tempfile.TemporaryDirectory() as scratch:
+        config.save_pretrained(scratch)
+        settings = (Path(scratch) / "adapter_config.json").read_bytes()
+    return {
+        component: (f"{component}/{PEFT_WEIGHTS_NAME}", save(tensors, {"format": "pt"})),
+        f"{component}_config": (f"{component}/adapter_config.json", settings),
+    }
 
 
 def lora_files(
@@ -37,10 +68,19 @@ def lora_files(
     v2: bool = False,
 ) -> Files:
     """`pytorch_lora_weights.safetensors` (pipe.load_lora_weights(folder)) and the same LoRA in
-    kohya's layout with its ss_* metadata (ComfyUI, A1111), named after the job."""
+    kohya's layout with its ss_* metadata (ComfyUI, A1111), named after the job; a component
+    the pipeline's loader skips gets a PEFT adapter folder in place of diffusers' file."""
     lora = {k: t.detach().contiguous() for k, t in state.items() if "lora_" in k}
-    meta = {"format": "pt"}
-    meta.update(diffusers_lora_metadata(component, request.rank, request.alpha, request.targets))
+    if component in PIPELINE_LORA_MODULES.get(family, ()):
+        meta = {"format": "pt"}
+        meta.update(
+            diffusers_lora_metadata(component, request.rank, request.alpha, request.targets)
+        )
+        first = {
+            component: (DIFFUSERS_WEIGHT_NAME, save(diffusers_lora_state(lora, component), meta))
+        }
+    else:
+        first = peft_adapter_files(component, lora, request)
     kohya_meta = kohya_lora_metadata(
         family,
         base_model=base_model,
@@ -53,7 +93,7 @@ def lora_files(
     )
     kohya = kohya_lora_state(lora, component, family, request.rank, request.alpha)
     return {
-        component: (DIFFUSERS_WEIGHT_NAME, save(diffusers_lora_state(lora, component), meta)),
+        **first,
         f"{component}_kohya": (
             f"{output_name}_kohya.safetensors",
             save(kohya, {"format": "pt", **kohya_meta}),

@@ -19,7 +19,6 @@ from splitstage.pipelines.diffusers.flux_distill import (
     LOSS_PARAMS,
     STEP_PARAMS,
     distill_loss,
-    distill_values,
     noise_unit,
 )
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
@@ -34,6 +33,7 @@ from splitstage.pipelines.diffusers.text import (
     token_ids,
     with_empty,
 )
+from splitstage.pipelines.distill_rows import distill_values
 from splitstage.pipelines.family import TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline

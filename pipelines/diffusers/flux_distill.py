@@ -13,51 +13,26 @@ from typing import Any
 
 import torch
 
-from splitstage.config.job import ConfigError
-from splitstage.data.dataset import Row
 from splitstage.pipelines.diffusers.packing import pack
 from splitstage.pipelines.diffusers.sampling import flux_loop
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Unit
 
-COLUMNS = ("seed", "num_inference_steps")  # required; rand_device and cfg_scale optional
 NOISE = "distill_noise"
 LOSS_PARAMS = ("input_latents", NOISE, "num_inference_steps", "cfg_scale")
 STEP_PARAMS = ("latents", "timestep")
-
-
-def distill_values(row: Row) -> dict[str, Any]:
-    """The row's teacher settings: seed and steps (required), rand_device, cfg_scale (or None)."""
-    missing = [c for c in COLUMNS if row.extras.get(c) in (None, "")]
-    if missing:
-        raise ConfigError(
-            f"{row.where}: train.task = 'direct_distill' needs the column(s) "
-            f"{', '.join(missing)} (the teacher's seed and steps); add them to the metadata"
-        )
-    try:
-        values = {c: int(row.extras[c]) for c in COLUMNS}
-        cfg = row.extras.get("cfg_scale")
-        values["cfg_scale"] = None if cfg in (None, "") else float(cfg)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"{row.where}: seed and num_inference_steps must be integers and cfg_scale a number "
-            f"(got {row.extras['seed']!r}, {row.extras['num_inference_steps']!r}, "
-            f"{row.extras.get('cfg_scale')!r})"
-        ) from None
-    if values["num_inference_steps"] < 1:
-        raise ConfigError(f"{row.where}: num_inference_steps must be at least 1")
-    values["rand_device"] = str(row.extras.get("rand_device") or "cpu")
-    return values
 
 
 def seeded_noise(
     ctx: StepContext, latent_mean: torch.Tensor, seed: list[int], rand_device: list[str]
 ) -> dict[str, Any]:
     """Each row's starting noise, shaped as its latents, as FluxPipeline draws it from a
-    `torch.Generator(rand_device).manual_seed(seed)` (a function of the row: cached)."""
+    `torch.Generator(rand_device).manual_seed(seed)` (a function of the row: cached); a row
+    without rand_device draws on the device stage 1 runs on, as DiffSynth's train.py does."""
     shape = tuple(latent_mean.shape[1:])
     noise = []
-    for row_seed, device in zip(seed, rand_device, strict=True):
+    for row_seed, row_device in zip(seed, rand_device, strict=True):
+        device = row_device or str(ctx.device)
         generator = torch.Generator(device).manual_seed(int(row_seed))
         noise.append(torch.randn((1, *shape), generator=generator, device=device)[0])
     return {NOISE: torch.stack(noise).to(ctx.device, torch.float32)}

@@ -47,8 +47,11 @@ USED_WHEN: dict[str, Callable[[Mapping[str, Any]], bool]] = {
 
 # library -> the loggers that speak when it is imported, about things this job does not use
 # (torchao: kernels built for other Pythons and GPUs; torch's pytree: its Enum registrations;
-# diffusers: torchao tensor classes of older releases, for loading torchao checkpoints)
+# diffusers: torchao tensor classes of older releases, for loading torchao checkpoints;
+# bitsandbytes: on CPUs with avx512_bf16 a 4-bit matmul kernel from the Hub, with install advice
+# for the `kernels` package: 4-bit layers are not what adamw8bit uses, the advice not ours)
 IMPORT_TIME_LOGGERS = {
+    "bitsandbytes": ("bitsandbytes.backends.cpu.ops", "kernels"),
     "torchao": ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"),
 }
 

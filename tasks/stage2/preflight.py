@@ -20,6 +20,7 @@ import torch
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.data.index import DataIndex, index_data_set
+from splitstage.pipelines.distill_rows import check_rows
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.fingerprint import stable_hash
 from splitstage.tasks.cache.key_table import KeyTable
@@ -341,6 +342,7 @@ def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
                 settings, identity, step=step, checkpoint_url=url
             )
     data = index_data_set(config)
+    check_rows(config, data.rows)  # the task's row values, before any model loads
     try:
         check_cache(plan, data, result)
     except StaleCacheError as error:

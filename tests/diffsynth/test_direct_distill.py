@@ -23,6 +23,7 @@ from splitstage.config.job import ConfigError, config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.data.index import index_data_set
 from splitstage.pipelines.demo.weight_files import build_demo_weights
+from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
@@ -123,6 +124,39 @@ def test_a_row_without_the_teachers_seed_is_one_line(root, tmp_path):
     row.extras.pop("seed")
     with pytest.raises(ConfigError, match="needs the column\\(s\\) seed"):
         make_plan(config).family.load_sample(row, config.data.base_path)
+
+
+def test_row_values_replace_train_pys_and_rand_device_follows_the_pipeline(root, registered):
+    """As DiffSynth's train.py: `rand_device` is the pipeline's device unless the row gives
+    it, and a row's extra inputs (cfg_scale) replace train.py's fixed values, never the other
+    way round; stage 1's cached starting noise equals DiffSynth's own units' on that row."""
+    config = distill_job(root)
+    info = json.loads((root / NAME / "info.json").read_text())
+    plan = make_plan(config)
+    family = plan.family
+    row = index_data_set(config).rows[0]
+    row.extras.pop("rand_device")
+    row.extras["cfg_scale"] = 3.0
+    sample = family.load_sample(row, config.data.base_path)
+    assert sample["rand_device"] is None and sample["cfg_scale"] == 3.0
+    batch = collate_samples([sample])
+    cpu = torch.device("cpu")
+    frozen = {name: family.build_model(name, cpu) for name in plan.split.models["stage1"]}
+    with torch.no_grad():
+        run_units(plan.v2_units, StepContext(frozen, cpu, settings=family.settings()), batch)
+    shared = family.units_of.session.triples[0].shared
+    assert shared["cfg_scale"] == 3.0  # the row's, not train.py's 1
+    assert str(shared["rand_device"]) == str(family.pipe.device) == "cpu"
+
+    pipe = fresh(NAME, info)  # DiffSynth's train.py: rand_device = pipe.device, row over it
+    posi = {"prompt": sample["prompt"]}
+    nega = {"negative_prompt": sample["negative_prompt"]}
+    given = {k: v for k, v in sample.items() if v is not None and k not in ("prompt",)}
+    inputs = ({**given, "rand_device": pipe.device}, posi, nega)
+    with torch.no_grad():
+        for unit in pipe.units:
+            inputs = pipe.unit_runner(unit, pipe, *inputs)
+    assert torch.equal(batch["latents"][0], inputs[0]["latents"][0])
 
 
 def test_a_family_without_direct_distill_refuses_it(tmp_path):

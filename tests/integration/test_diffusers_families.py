@@ -220,6 +220,31 @@ def test_training_the_text_encoder_moves_its_unit_to_stage_2(root):
     pipe.load_lora_weights(Path(report.outputs["text_encoder"]).parent)  # loads without error
 
 
+@pytest.mark.parametrize(("kind", "t5"), [("flux", "text_encoder_2"), ("sd3", "text_encoder_3")])
+def test_a_t5_lora_exports_a_peft_folder_not_a_file_the_pipeline_drops(root, kind, t5):
+    """The pipelines' load_lora_weights load no T5 LoRA (it would be skipped, unsaid): the
+    T5's LoRA is a PEFT adapter folder that PeftModel.from_pretrained loads into the pipeline's
+    T5, which then encodes as the trained one does."""
+    from peft import PeftModel
+
+    trainable = {"lora_base_model": t5, "lora_rank": 2, "lora_alpha": 4}
+    config = job(root, kind, f"{kind}-t5", trainable=trainable)
+    config.output.url = str(root / f"out-{kind}-t5")
+    preprocess(config, workers=1, progress=False)
+    report = run(config, root)
+    assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
+    folder = Path(report.outputs[t5]).parent
+    assert folder.name == t5 and (folder / "adapter_config.json").is_file()
+    assert not (root / f"out-{kind}-t5" / "pytorch_lora_weights.safetensors").exists()
+    ids = torch.tensor([[5, 6, 7, 1]])
+    pipe = fresh_pipeline(kind, root)
+    encoder = getattr(pipe, t5).eval()
+    with torch.no_grad():
+        base = encoder(ids)[0]
+        loaded = PeftModel.from_pretrained(encoder, str(folder)).eval()(ids)[0]
+    assert (loaded - base).abs().max() > 0  # two updates at lr 1e-3 moved the T5's LoRA
+
+
 def torchrun(nproc: int, config_path: Path, out: Path) -> None:
     """The FSDP worker under real torchrun (gloo)."""
     out.mkdir(parents=True, exist_ok=True)

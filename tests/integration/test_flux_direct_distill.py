@@ -236,3 +236,23 @@ def test_sd3_refuses_direct_distill_in_one_line(root):
         ConfigError, match="train.task='direct_distill': the sd3 family trains 'sft'"
     ):
         make_plan(job(root, "sd3", pipeline=sd3))
+
+
+def test_bad_teacher_values_are_refused_before_stage_1_loads_a_model(root):
+    """The whole row table is read before any worker starts: a truncating seed, a boolean step
+    count and a missing column are one line naming the rows; no shard is written."""
+    bad = root / "data" / "bad.jsonl"
+    rows = [json.loads(line) for line in (root / "data" / "distill.jsonl").read_text().splitlines()]
+    rows[0] |= {"seed": 7.9, "num_inference_steps": True}
+    rows[1].pop("num_inference_steps")
+    bad.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = job(root, "bad")
+    config.data.metadata_path = str(bad)
+    config.cache.url = str(root / "bad-cache")
+    with pytest.raises(ConfigError) as error:
+        preprocess(config, workers=2, progress=False)
+    said = str(error.value)
+    assert "row 1: seed = 7.9 is not a whole number" in said
+    assert "row 2: train.task = 'direct_distill' needs the column(s) num_inference_steps" in said
+    assert "\n" not in said
+    assert not list((root / "bad-cache").rglob("*.safetensors"))
