@@ -28,6 +28,8 @@ from splitstage.flows.loss_plot import loss_curve_png, png_data_uri
 from splitstage.splitter.report import plan_rows
 from splitstage.tasks.cache.store import CacheStore
 from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.memory.budget import MemoryBudgetError
+from splitstage.tasks.memory.fit import choose_fit
 from splitstage.tasks.memory.memory_plan import MemoryPlan, estimate_memory
 from splitstage.tasks.stage1.preprocess import PreprocessReport
 from splitstage.tasks.stage2.outputs import open_output
@@ -87,9 +89,10 @@ def publish_plan(plan: JobPlan) -> None:
 
 
 def publish_memory_plan(plan: JobPlan) -> None:
-    """Each stage's estimated peak device memory per rank, by part (what `validate` prints)."""
+    """Each stage's estimated peak device memory per rank, by part (what `validate` prints),
+    and with `train.fit = 'auto'` the levers it would choose and their estimate."""
     try:
-        memory = estimate_memory(plan)
+        memory = fitted_memory_plan(plan)
     except Exception as error:  # the plan is advice: the run's own checks refuse what matters
         get_run_logger().warning(f"no memory plan for the dashboard: {error}")
         return
@@ -99,6 +102,25 @@ def publish_memory_plan(plan: JobPlan) -> None:
         key=artifact_key(plan.config, "memory-plan"),
         description="Estimated peak device memory per rank of each stage, by part (GiB).",
     )
+
+
+def fitted_memory_plan(plan: JobPlan) -> MemoryPlan:
+    """The memory plan, of the levers `train.fit = 'auto'` chooses when it is on (the config
+    itself is left as it is: the run's rank 0 chooses, and a resume re-uses its recorded one)."""
+    memory = estimate_memory(plan)
+    if plan.config.train.fit != "auto":
+        return memory
+    try:
+        choice, memory = choose_fit(plan, memory)
+    except MemoryBudgetError as error:
+        memory.notes.append(f"train.fit = 'auto' found nothing that fits: {error}")
+        return memory
+    memory.fit = choice
+    memory.notes.append(
+        "train.fit: the run's rank 0 makes this choice before training; a resumed run re-uses "
+        "the one its checkpoint records (its log says which)"
+    )
+    return memory
 
 
 def memory_markdown(memory: MemoryPlan) -> str:

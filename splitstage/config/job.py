@@ -395,6 +395,13 @@ class TrainConfig(Group):
         "default: the GPU's own memory, none on a CPU.",
     )
 
+    fit: Literal["off", "auto"] = Field(
+        "off",
+        description="'auto': when stage 2 is estimated over the device budget, apply the "
+        "cheapest levers that fit (docs/job-config.md gives the order) and record them in the "
+        "run; 'off': refuse, naming the settings that fit.",
+    )
+
     @field_validator("device_memory", mode="before")
     @classmethod
     def _device_memory(cls, value: Any) -> int | None:

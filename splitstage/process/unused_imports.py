@@ -19,8 +19,13 @@ def trains_with_adamw8bit(config: Mapping[str, Any]) -> bool:
 
 
 def quantizes_the_base(config: Mapping[str, Any]) -> bool:
-    """torchao's one use here: `train.base_quantization` other than "none"."""
-    return config.get("train", {}).get("base_quantization", "none") != "none"
+    """torchao's one use here: `train.base_quantization` other than "none", or a LoRA job
+    whose `train.fit = "auto"` may choose (or recorded) a quantized base."""
+    train = config.get("train", {})
+    may_choose = train.get("fit", "off") == "auto" and config.get("trainable", {}).get(
+        "lora_base_model"
+    )
+    return train.get("base_quantization", "none") != "none" or bool(may_choose)
 
 
 def names_a_credentials_block(config: Any) -> bool:

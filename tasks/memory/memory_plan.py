@@ -77,6 +77,7 @@ class MemoryPlan:
     stage2: StageMemory | None
     budget_bytes: int | None
     notes: list[str] = field(default_factory=list)
+    fit: Any = None  # what train.fit = 'auto' did (`fit.FitChoice`); None when fit is off
 
     def to_dict(self) -> dict[str, Any]:
         """The `memory` object of `splitstage validate --json`."""
@@ -86,6 +87,7 @@ class MemoryPlan:
             "stage1": self.stage1.to_dict() if self.stage1 else None,
             "stage2": self.stage2.to_dict() if self.stage2 else None,
             "stage1_workers_per_device": self.workers_per_device(),
+            "fit": self.fit.to_dict() if self.fit is not None else None,
             "notes": list(self.notes),
         }
 
@@ -119,6 +121,8 @@ class MemoryPlan:
                 lines.append(f"  {words}: {stage.settings}")
         if self.workers_per_device() is not None:
             lines.append(f"  preprocess workers that fit one device: {self.workers_per_device()}")
+        if self.fit is not None:
+            lines.append(f"  {self.fit.line()}")
         return lines + [f"  note: {note}" for note in self.notes]
 
 

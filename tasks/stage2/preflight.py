@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from splitstage.config.job import ConfigError, SplitstageConfig
+from splitstage.config.job import ConfigError, SplitstageConfig, check_memory_levers
 from splitstage.data.index import DataIndex, index_data_set
 from splitstage.pipelines.distill_rows import check_rows
 from splitstage.splitter import UserError
@@ -27,8 +27,9 @@ from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.validation_prompts import read_validation_prompts
 from splitstage.tasks.device import pick_device
 from splitstage.tasks.job_plan import JobPlan
-from splitstage.tasks.memory.budget import MemoryBudgetError, checked_memory_plan
-from splitstage.tasks.memory.memory_plan import MemoryPlan, device_budget
+from splitstage.tasks.memory.budget import MemoryBudgetError, check_budget, checked_memory_plan
+from splitstage.tasks.memory.fit import FitChoice, apply_fit, choose_fit, recorded_fit
+from splitstage.tasks.memory.memory_plan import MemoryPlan, device_budget, estimate_memory
 from splitstage.tasks.stage2.batch_plan import plan_epoch
 from splitstage.tasks.stage2.batches import CachedBatches, PlannedBatches, RawBatches
 from splitstage.tasks.stage2.export import check_export
@@ -64,6 +65,7 @@ class Preflight:
     tail: dict | None = None  # per epoch: groups, samples dropped and repeated (the trainer's)
     memory: MemoryPlan | None = None  # each stage's estimated peak per rank, by part
     memory_note: str | None = None  # why there is no estimate, when there is none
+    fit: dict | None = None  # train.fit = 'auto': the [train] overrides every rank applies
 
 
 def data_parallel_degree(config: SplitstageConfig) -> int:
@@ -330,10 +332,13 @@ def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
     targets = check_trainable(plan)
     check_export(plan)
     check_gradient_checkpointing(plan)
-    result.memory = memory_plan(plan, result, training=places is not None)
-    dp = data_parallel_degree(config)
-    result.settings = run_settings(config, data_parallel=dp, samples="", lora_targets=targets)
     saved = saved_checkpoint(places) if places is not None else None  # listed and read once
+    result.memory = memory_plan(plan, result, training=places is not None, saved=saved)
+    dp = data_parallel_degree(config)
+    fit = None if result.fit is None else {"overrides": result.fit}
+    result.settings = run_settings(
+        config, data_parallel=dp, samples="", lora_targets=targets, fit=fit
+    )
     if places is not None:  # recorded in each checkpoint: a resume on another base is refused
         result.settings[IDENTITY] = identity = run_identity(plan)
         if saved is not None:
@@ -367,14 +372,36 @@ def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
     return result
 
 
-def memory_plan(plan: JobPlan, result: Preflight, *, training: bool) -> MemoryPlan | None:
+def memory_plan(
+    plan: JobPlan, result: Preflight, *, training: bool, saved: tuple | None = None
+) -> MemoryPlan | None:
     """Each stage's estimated peak per rank (fake models, no weights), refused over the budget
     (`train.device_memory`; `training`: stage 2 alone, and nothing estimated without a budget,
-    as on a CPU); an estimate that fails on a family's code is a warning."""
-    if training and device_budget(plan.config.train.device_memory, pick_device()) is None:
+    as on a CPU); an estimate that fails on a family's code is a warning. `train.fit = 'auto'`
+    applies the levers that fit (`memory.fit`), or those `saved` (the run's checkpoint) records."""
+    config = plan.config
+    auto = config.train.fit == "auto"
+    choice = reuse_fit(config, saved) if auto else None
+    if auto:  # nothing changed unless a choice says otherwise
+        result.fit = dict(choice.overrides) if choice is not None else {}
+    if training and device_budget(config.train.device_memory, pick_device()) is None:
+        if auto:
+            result.notes.append((choice or FitChoice({}, "no budget")).line())
         return None
+    stages = ("stage2",) if training else ("stage1", "stage2")
     try:
-        return checked_memory_plan(plan, ("stage2",) if training else ("stage1", "stage2"))
+        if not auto or choice is not None:
+            memory = checked_memory_plan(plan, stages)
+        else:
+            memory = estimate_memory(plan)
+            check_budget(plan, memory, stages[:-1])  # stage 1: fit changes stage 2 alone
+            choice, memory = choose_fit(plan, memory)
+            apply_fit(config, choice.overrides)
+            result.fit = dict(choice.overrides)
+        memory.fit = choice
+        if training and choice is not None:
+            result.notes.append(choice.line())
+        return memory
     except (MemoryBudgetError, UserError):
         raise
     except Exception as error:  # noqa: BLE001 - the plan is advice; the run itself decides
@@ -382,8 +409,29 @@ def memory_plan(plan: JobPlan, result: Preflight, *, training: bool) -> MemoryPl
         why = line if isinstance(error, NotImplementedError) else f"{type(error).__name__}: "
         why += "" if isinstance(error, NotImplementedError) else line[:200]
         result.memory_note = f"memory plan: no estimate ({why}); no device-memory check"
+        if auto and choice is None:
+            result.memory_note += "; train.fit = 'auto' changed nothing"
         result.notes.append(result.memory_note)
         return None
+
+
+def reuse_fit(config: SplitstageConfig, saved: tuple | None) -> FitChoice | None:
+    """A resume keeps the levers its run's fit chose (never chosen again): set on `config`;
+    None when the checkpoint records none (a fresh run, or one trained with fit off)."""
+    recorded = recorded_fit(saved[2]) if saved is not None else None
+    if recorded is None:
+        return None
+    apply_fit(config, recorded)
+    choice = FitChoice(recorded, "recorded", step=saved[0])
+    try:
+        check_memory_levers(config.train, config.trainable)
+    except ValueError as error:
+        raise ConfigError(
+            f"train.fit: the levers checkpoint step {saved[0]} records ({choice.words()}) "
+            f"cannot run with this config: {error}; set train.fit = 'off' and choose them "
+            "yourself, or start fresh with another --run-id"
+        ) from None
+    return choice
 
 
 def check_validation(plan: JobPlan, result, *, strict: bool) -> None:

@@ -3,7 +3,8 @@ split every rank agrees on.
 
 Every rank plans the job from the run spec; rank 0 alone runs the checks (`preflight`: the
 mesh, the models' files, the cache, the batches, the outputs, a resume's settings) while the
-others plan, then broadcasts what they found (JSON and the sample keys as raw bytes, no pickle).
+others plan, then broadcasts what they found (JSON and the sample keys as raw bytes, no pickle),
+with the levers `train.fit = "auto"` chose, which every rank sets on its own config alike.
 A refusal is said once: rank 0 and each node's first rank leave its line in the run folder for
 their node's launcher (`SetUpRefusedError`), nobody prints it, and every rank exits with 2.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from splitstage.splitter import UserError
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.memory.fit import apply_fit
 from splitstage.tasks.stage2.distributed import DistInfo, broadcast_bytes, init_distributed
 from splitstage.tasks.stage2.outputs import SET_UP, record_rank_error
 from splitstage.tasks.stage2.preflight import preflight
@@ -28,7 +30,8 @@ class SetUpRefusedError(UserError, RuntimeError):
 
 def set_up_rank(spec: RunSpec) -> RankSetup:
     """Join the job, plan it and check it once (rank 0), and agree on the outcome."""
-    dist = init_distributed(host_collectives=spec.config.train.offload != "none")
+    train = spec.config.train  # fit may choose offload: host collectives join the group then
+    dist = init_distributed(host_collectives=train.offload != "none" or train.fit == "auto")
     plan, mine, outcome, samples = None, None, {}, None
     try:
         plan = make_plan(spec.config)
@@ -39,7 +42,11 @@ def set_up_rank(spec: RunSpec) -> RankSetup:
             for note in checks.notes:
                 print(note, flush=True)
             samples = checks.samples
-            outcome = {"settings": checks.settings, "split": plan.split.to_dict()}
+            outcome = {
+                "settings": checks.settings,
+                "split": plan.split.to_dict(),
+                "fit": checks.fit,  # rank 0's choice (train.fit): every rank applies it
+            }
     except (UserError, OSError) as error:  # bad input, or storage the checks could not read
         if isinstance(error, OSError) and error.errno is None:
             raise
@@ -57,6 +64,7 @@ def set_up_rank(spec: RunSpec) -> RankSetup:
     keys = broadcast_bytes(samples.to_bytes() if samples is not None else None)
     if not dist.is_main:
         check_same_split(plan, outcome["split"])
+        apply_fit(spec.config, outcome.get("fit") or {})
         samples = KeyTable.from_bytes(keys, "rank 0's sample keys") if keys else None
     return RankSetup(spec, plan, dist, outcome["settings"], samples)
 

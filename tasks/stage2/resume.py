@@ -61,9 +61,15 @@ class ResumeConfigError(UserError, ValueError):
 
 
 def run_settings(
-    config: SplitstageConfig, *, data_parallel: int, samples: str, lora_targets: list[str]
+    config: SplitstageConfig,
+    *,
+    data_parallel: int,
+    samples: str,
+    lora_targets: list[str],
+    fit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The settings a checkpoint records (`samples`: a digest of the training sample keys)."""
+    """The settings a checkpoint records (`samples`: a digest of the training sample keys;
+    `fit`: the levers train.fit = 'auto' applied, which a resume re-uses, never re-chooses)."""
     train, trainable = config.train, config.trainable
     lora = trainable.lora_base_model is not None
     return {
@@ -84,6 +90,7 @@ def run_settings(
         "optimizer_args": dict(sorted(train.optimizer_args.items())),
         "weight_dtype": train.weight_dtype if lora else None,
         "base_quantization": train.base_quantization if lora else None,
+        "fit": fit,
     }
 
 
