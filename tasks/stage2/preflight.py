@@ -320,18 +320,28 @@ def precision_warnings(config: SplitstageConfig) -> list[str]:
     return []
 
 
+def check_job(plan: JobPlan, *, optimizer_package: bool = True) -> list[str]:
+    """The checks of the job itself (no data, cache or outputs read): what `validate`, `preprocess`
+    and `train` all refuse before any model loads, so no stage 1 is spent on a job train would
+    refuse. Returns the LoRA targets. `optimizer_package=False` checks the optimizer's settings
+    without importing its package (preprocess: bitsandbytes prints on import)."""
+    config = plan.config
+    check_layout(config)
+    check_update_rule(config.train, optimizer_package=optimizer_package)
+    check_models(plan)
+    targets = check_trainable(plan)
+    check_export(plan)
+    check_gradient_checkpointing(plan)
+    return targets
+
+
 def preflight(plan: JobPlan, places: RunPlaces | None = None) -> Preflight:
     """Every check a rank makes before training (rank 0, before any weight loads); `places`
     (the run's) adds the resume checks. Without `places` (`splitstage validate`) a cache that is
     not ready is a warning. The outputs' checks run in the launcher (`outputs.check_outputs`)."""
     config = plan.config
     result = Preflight()
-    check_layout(config)
-    check_update_rule(config.train)
-    check_models(plan)
-    targets = check_trainable(plan)
-    check_export(plan)
-    check_gradient_checkpointing(plan)
+    targets = check_job(plan)
     saved = saved_checkpoint(places) if places is not None else None  # listed and read once
     result.memory = memory_plan(plan, result, training=places is not None, saved=saved)
     dp = data_parallel_degree(config)
