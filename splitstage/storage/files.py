@@ -151,18 +151,20 @@ def ensure_folder(
     storage_options: Mapping[str, Any] | None = None,
     *,
     field: str | None = None,
+    options_field: str = "storage_options",
 ) -> None:
     """Make `path` a folder where folders exist (local disk, memory://); on object stores only
     check that the bucket exists, creating nothing: a mistyped bucket is refused (naming `field`,
-    the config field to fix), never made. Full, read-only or forbidden disks raise StorageErrors.
+    the config field to fix), never made. Full, read-only or forbidden disks raise StorageErrors
+    (missing credentials name `options_field`, the storage options to set).
     """
     url, options = url or display_url(fs, path), storage_options or fs.storage_options
     if is_local(fs) or "memory" in fs.protocol:
-        with storage_errors(url, "create folder", options):
+        with storage_errors(url, "create folder", options, field=options_field):
             fs.makedirs(path, exist_ok=True)
         return
     bucket = path.strip("/").split("/", 1)[0]
-    with storage_errors(url, "check the bucket of", options):
+    with storage_errors(url, "check the bucket of", options, field=options_field):
         if hasattr(fs, "call_s3"):  # HEAD bucket: one request, whatever the bucket holds
             try:
                 fs.call_s3("head_bucket", Bucket=bucket)

@@ -42,6 +42,7 @@ from splitstage.tasks.cache.repair import QUARANTINE, READ_BATCH_BYTES, CacheChe
 from splitstage.tasks.cache.side_records import SideRecords
 from splitstage.tasks.cache.write_ahead import PreparedShard, WriteAhead
 
+OPTIONS_FIELD = "cache.storage_options"  # the config field a cache's credentials go in
 MEMO_FOLDER = "data-memo"  # beside the caches: `splitstage.data.hash_memo.FOLDER` (not imported)
 _INDEX_BATCH = 1024  # index entries per batched read (bounds the bytes held at once)
 WRITE_SWITCH_INTERVAL = 0.0001  # s: best of 5 / 0.5 / 0.1 ms for write_shards (switch_interval)
@@ -77,7 +78,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         self.cache_key = cache_key
         self.url = f"{self.base_url}/{cache_key}"
         self._options = dict(storage_options or {})
-        with storage_errors(self.url, "open", self._options, field="cache.storage_options"):
+        with storage_errors(self.url, "open", self._options, field=OPTIONS_FIELD):
             self.fs, root = st.open_fs(url, self._options)
         self.root = st.join(root, cache_key)
         self._lock = threading.Lock()
@@ -119,9 +120,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
                 index_path = self._path(self.index_file(info.shard_id))
                 yield [(self._path(info.path), data), (index_path, index)]
 
-        where = storage_errors(
-            self.url, "write shards under", self._options, field="cache.storage_options"
-        )
+        where = storage_errors(self.url, "write shards under", self._options, field=OPTIONS_FIELD)
         with where, shorter_switch_interval(WRITE_SWITCH_INTERVAL):  # the I/O loop gets the GIL
             write_chains(self.fs, chains())
         self._record(done)
@@ -141,9 +140,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         where = self._url(self._path(mf.MANIFEST))
         fmt.check_json({k: v for k, v in manifest.items() if k != "samples"}, "manifest")
         data, samples_file = mf.encode_manifest(manifest, where)
-        with storage_errors(
-            self.url, "write manifest under", self._options, field="cache.storage_options"
-        ):
+        with storage_errors(self.url, "write manifest under", self._options, field=OPTIONS_FIELD):
             try:
                 old = mf.samples_file_name(self._raw_manifest())
             except CacheCorruptError:
@@ -161,7 +158,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         (data,) = st.read_many(self.fs, [path])
         if isinstance(data, BaseException):
             st.raise_if_storage_error(
-                data, self._url(path), "read", self._options, field="cache.storage_options"
+                data, self._url(path), "read", self._options, field=OPTIONS_FIELD
             )
             if isinstance(data, FileNotFoundError):
                 return None
@@ -198,7 +195,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         path = self._path(rel) if rel else self.root
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(path)
-        with storage_errors(self.url, "list", self._options, field="cache.storage_options"):
+        with storage_errors(self.url, "list", self._options, field=OPTIONS_FIELD):
             try:
                 infos = st.local_ls(path) if st.is_local(self.fs) else self.fs.ls(path, detail=True)
             except (FileNotFoundError, NotADirectoryError) as exc:
@@ -212,14 +209,12 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         """Read index entries in batches: (shard id, path, bytes) of each one still there."""
         for start in range(0, len(paths), _INDEX_BATCH):
             group = paths[start : start + _INDEX_BATCH]
-            with storage_errors(
-                self.url, "read the index of", self._options, field="cache.storage_options"
-            ):
+            with storage_errors(self.url, "read the index of", self._options, field=OPTIONS_FIELD):
                 datas = st.read_many(self.fs, group)
             for path, data in zip(group, datas):
                 if isinstance(data, BaseException):
                     st.raise_if_storage_error(
-                        data, self._url(path), "read", self._options, field="cache.storage_options"
+                        data, self._url(path), "read", self._options, field=OPTIONS_FIELD
                     )
                     if isinstance(data, FileNotFoundError):
                         continue  # removed between listing and reading
@@ -346,9 +341,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         index lists); CacheCorruptError naming the shard and the fix."""
         url = self._url(self._path(entry.shard))
         if isinstance(data, BaseException):
-            st.raise_if_storage_error(
-                data, url, "read", self._options, field="cache.storage_options"
-            )
+            st.raise_if_storage_error(data, url, "read", self._options, field=OPTIONS_FIELD)
             if not isinstance(data, FileNotFoundError):
                 raise data
         got = None if isinstance(data, BaseException) else data
@@ -387,11 +380,13 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         """Write and delete a probe in the cache folder: a read-only, full or forbidden cache is
         refused now, in one line naming it, not after the data set was indexed."""
         probe = self._path(f".write-probe-{uuid.uuid4().hex}")
-        with storage_errors(self.url, "write", self._options, field="cache.storage_options"):
+        with storage_errors(self.url, "write", self._options, field=OPTIONS_FIELD):
             if st.is_local(self.fs):
                 os.makedirs(self.root, exist_ok=True)
             else:
-                st.ensure_folder(self.fs, self.root, self.url, field="cache.url")
+                st.ensure_folder(
+                    self.fs, self.root, self.url, field="cache.url", options_field=OPTIONS_FIELD
+                )
             st.write_atomic(self.fs, probe, b"", self._url(probe))
         with contextlib.suppress(Exception):  # may write but not delete: an empty file stays
             self.fs.rm(probe)
@@ -402,7 +397,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         runs): (files, bytes) reclaimed."""
         memos = st.join(self.root[: -len(self.cache_key) - 1], MEMO_FOLDER)
         with storage_errors(
-            self.url, "delete unfinished files under", self._options, field="cache.storage_options"
+            self.url, "delete unfinished files under", self._options, field=OPTIONS_FIELD
         ):
             found = [st.sweep_temp_files(self.fs, folder) for folder in (self.root, memos)]
         return sum(f for f, _ in found), sum(b for _, b in found)
