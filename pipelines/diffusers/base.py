@@ -24,6 +24,7 @@ from splitstage.pipelines.diffusers.component_export import (
     component_folder_files,
     lora_files,
 )
+from splitstage.pipelines.diffusers.component_shapes import ShapeLink, check_component_shapes
 from splitstage.pipelines.diffusers.components import (
     build_empty,
     component_class,
@@ -106,6 +107,7 @@ class DiffusersFamily(Family):
     text_params: ClassVar[tuple[str, ...]]  # the prompt encoder unit's outputs (all dropped)
     text_models: ClassVar[tuple[str, ...]]  # the encoders its prompt unit calls
     denoiser_params: ClassVar[tuple[str, ...]]  # model_fn's params besides latents/timestep
+    shape_links: ClassVar[tuple[ShapeLink, ...]] = ()  # widths its components hand each other
 
     # -- the folder ------------------------------------------------------------------------------
     @cached_property
@@ -236,6 +238,10 @@ class DiffusersFamily(Family):
         for name in names:
             self.require_known(name)
             self.folder.component(name)
+
+    def check_component_shapes(self) -> None:
+        """`shape_links` over the folder's config files (overrides included)."""
+        check_component_shapes(self.shape_links, self.folder.has, self.folder.config)
 
     def fingerprint_source(self, name: str) -> dict[str, Any]:
         """Class, config and weights files (hashed by content, memoized) of a component."""

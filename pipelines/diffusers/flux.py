@@ -15,6 +15,7 @@ import torch
 
 from splitstage.config.job import ConfigError
 from splitstage.data.dataset import Row
+from splitstage.pipelines.diffusers.component_shapes import Width, link
 from splitstage.pipelines.diffusers.flux_distill import (
     LOSS_PARAMS,
     STEP_PARAMS,
@@ -48,6 +49,23 @@ class FluxFamily(FlowTransformerFamily):
     pipeline_classes = ("FluxPipeline",)
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
     text_models = ("text_encoder", "text_encoder_2")
+    shape_links = (
+        link(
+            [("text_encoder_2", "d_model")],
+            ("transformer", "joint_attention_dim"),
+            "T5's hidden states",
+        ),
+        link(
+            [("text_encoder", "hidden_size")],
+            ("transformer", "pooled_projection_dim"),
+            "CLIP's pooled output",
+        ),
+        link(
+            [Width("vae", "latent_channels", 4)],
+            ("transformer", "in_channels"),
+            "the VAE's latents packed in 2x2 patches",
+        ),
+    )
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds")
     tasks = ("sft", "direct_distill")
 

@@ -20,6 +20,7 @@ from splitstage.config.job import ConfigError
 from splitstage.data.buckets import BucketError, Buckets
 from splitstage.pipelines.diffusers.base import DTYPES
 from splitstage.pipelines.diffusers.component_export import lora_files
+from splitstage.pipelines.diffusers.component_shapes import Width, link
 from splitstage.pipelines.diffusers.components import build_empty
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.qwenimage_latents import (
@@ -70,6 +71,21 @@ class QwenImageFamily(FlowTransformerFamily):
     model_names = ("text_encoder", "vae", "transformer")
     pipeline_classes = ("QwenImagePipeline",)
     text_params = ("prompt_embeds", "prompt_embeds_mask")
+    shape_links = (
+        link(
+            [("text_encoder", "text_config.hidden_size|hidden_size")],
+            ("transformer", "joint_attention_dim"),
+            "Qwen2.5-VL's hidden states",
+        ),
+        link(
+            [Width("vae", "z_dim", 4)],
+            ("transformer", "in_channels"),
+            "the VAE's latents packed in 2x2 patches",
+        ),
+        link(
+            [("vae", "z_dim")], ("transformer", "out_channels"), "predictions of the VAE's latents"
+        ),
+    )
     text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds", "prompt_embeds_mask")
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS  # the diffsynth family's too

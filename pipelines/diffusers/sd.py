@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from splitstage.pipelines.diffusers.base import DiffusersFamily
+from splitstage.pipelines.diffusers.component_shapes import link
 from splitstage.pipelines.diffusers.recipes import ddpm_draw, ddpm_scheduler
 from splitstage.pipelines.diffusers.sampling import unet_sample
 from splitstage.pipelines.diffusers.text import (
@@ -77,6 +78,14 @@ class SDFamily(UNetFamily):
     text_params = ("prompt_embeds",)
     text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds",)
+    shape_links = (
+        link(
+            [("text_encoder", "hidden_size")],
+            ("unet", "cross_attention_dim"),
+            "the text encoder's hidden states",
+        ),
+        link([("vae", "latent_channels")], ("unet", "in_channels"), "the VAE's latents"),
+    )
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """Embeddings [B, L, D] of each prompt and of the empty prompt."""

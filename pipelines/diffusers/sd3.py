@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from splitstage.pipelines.diffusers.component_shapes import link
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.sampling import sd3_sample
@@ -35,6 +36,25 @@ class SD3Family(FlowTransformerFamily):
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
     text_models = (*CLIPS, "text_encoder_3")
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds")
+    shape_links = (
+        link(
+            [("text_encoder_3", "d_model")],
+            ("transformer", "joint_attention_dim"),
+            "T5's hidden states (the CLIPs' are padded to them)",
+        ),
+        link(
+            [("text_encoder", "hidden_size"), ("text_encoder_2", "hidden_size")],
+            ("transformer", "joint_attention_dim"),
+            "both CLIPs' hidden states, concatenated and padded to T5's width",
+            at_most=True,
+        ),
+        link(
+            [("text_encoder", "projection_dim"), ("text_encoder_2", "projection_dim")],
+            ("transformer", "pooled_projection_dim"),
+            "both CLIPs' pooled embeddings, concatenated",
+        ),
+        link([("vae", "latent_channels")], ("transformer", "in_channels"), "the VAE's latents"),
+    )
 
     def prompt_encoders(self) -> tuple[str, ...]:
         """CLIP-L, CLIP-G, and T5 only when pipeline.use_t5."""

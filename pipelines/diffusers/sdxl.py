@@ -10,6 +10,7 @@ import torch
 
 from splitstage.data.dataset import Row, load_sample
 from splitstage.data.images import center_crop_box
+from splitstage.pipelines.diffusers.component_shapes import Width, link
 from splitstage.pipelines.diffusers.sd import UNetFamily
 from splitstage.pipelines.diffusers.text import (
     clip_penultimate,
@@ -44,6 +45,19 @@ class SDXLFamily(UNetFamily):
     text_params = ("prompt_embeds", "pooled_prompt_embeds")
     text_models = ENCODERS
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds", "add_time_ids")
+    shape_links = (
+        link(
+            [("text_encoder", "hidden_size"), ("text_encoder_2", "hidden_size")],
+            ("unet", "cross_attention_dim"),
+            "both text encoders' hidden states, concatenated",
+        ),
+        link(
+            [("text_encoder_2", "projection_dim"), Width("unet", "addition_time_embed_dim", 6)],
+            ("unet", "projection_class_embeddings_input_dim"),
+            "the pooled text embedding beside the six size/crop time ids",
+        ),
+        link([("vae", "latent_channels")], ("unet", "in_channels"), "the VAE's latents"),
+    )
 
     def units(self) -> list[RunnableUnit]:
         """The shared units plus the size conditioning (V2: computed from the data once)."""

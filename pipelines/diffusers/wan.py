@@ -25,6 +25,7 @@ from splitstage.data.clips import load_clip_sample
 from splitstage.data.dataset import Row
 from splitstage.data.source import DataSource
 from splitstage.data.videos import video_key_settings
+from splitstage.pipelines.diffusers.component_shapes import link
 from splitstage.pipelines.diffusers.mmdit import FlowTransformerFamily
 from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
@@ -67,6 +68,15 @@ class WanFamily(FlowTransformerFamily):
     denoiser_params = ("prompt_embeds",)
     default_lora_targets = WAN_LORA_TARGETS
     tp_plans = {"transformer": WAN_TP, "transformer_2": WAN_TP}
+    shape_links = tuple(
+        one
+        for expert in ("transformer", "transformer_2")
+        for one in (
+            link([("text_encoder", "d_model")], (expert, "text_dim"), "UMT5's hidden states"),
+            link([("vae", "z_dim")], (expert, "in_channels"), "the VAE's latents"),
+            link([("vae", "z_dim")], (expert, "out_channels"), "predictions of the VAE's latents"),
+        )
+    )
 
     # -- units -----------------------------------------------------------------------------------
     pixel_param = "video"

@@ -61,6 +61,26 @@ IMPORT_TIME_LOGGERS = {
 }
 
 
+# transformers' line when a pipeline module names an image processor whose default backend needs
+# torchvision (FluxPipeline's CLIP / SigLIP processors, for IP-adapters this job never loads):
+# torchvision stays out of the environment on purpose, and the PIL fallback it names is used.
+TORCHVISION_FALLBACK = "requires torchvision (not installed); falling back to"
+
+
+class _DropTorchvisionFallback(logging.Filter):
+    """Drops transformers' torchvision-fallback notice; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return TORCHVISION_FALLBACK not in record.getMessage()
+
+
+def quiet_torchvision_fallback() -> None:
+    """Transformers' import-machinery logger stops saying the image processors fall back to PIL."""
+    logger = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _DropTorchvisionFallback) for f in logger.filters):
+        logger.addFilter(_DropTorchvisionFallback())
+
+
 def skip_unused_libraries(config: Mapping[str, Any]) -> None:
     """Mark absent each library the job (a config dict) cannot use, though a library it imports
     would load it whenever it is installed: peft, diffusers and transformers import bitsandbytes
@@ -69,6 +89,7 @@ def skip_unused_libraries(config: Mapping[str, Any]) -> None:
     (~0.1-0.3 s, ~9 MB). `sys.modules[name] = None` is Python's way to say so: every
     `find_spec` then answers "not installed" and an import fails, so no library half-uses it.
     A library the job uses is imported quietly: its import-time warnings are not ours to show."""
+    quiet_torchvision_fallback()
     for library, used in USED_WHEN.items():
         if not used(config):
             sys.modules.setdefault(library, None)  # type: ignore[arg-type]

@@ -65,7 +65,7 @@ from splitstage.tasks.stage1.preprocess_report import (
     summarize_preprocess,
     summarize_shards,
 )
-from splitstage.tasks.stage2.optimization import check_update_rule
+from splitstage.tasks.stage2.preflight import check_job
 
 ProgressFn = Callable[[int, int], None]
 __all__ = [  # the reports live in `report`; importers reach them from here too
@@ -339,10 +339,10 @@ def _worker(config_json: str, shard: int, num_shards: int, threads: int, data: D
 
 def start_preprocess(plan: JobPlan) -> tuple[int, int]:
     """A preprocess run's first step (CLI and flow), before the data set is indexed: refuse
-    what `train` would (the update rule), a worker over the device budget, or a cache that
-    cannot be written (one line), then delete what an interrupted run left mid-write; (files,
-    bytes) reclaimed."""
-    check_update_rule(plan.config.train, optimizer_package=False)
+    what `train` would (the job's own checks: `preflight.check_job`), a worker over the device
+    budget, or a cache that cannot be written (one line), then delete what an interrupted run
+    left mid-write; (files, bytes) reclaimed."""
+    check_job(plan, optimizer_package=False)  # what validate and train refuse, refused here
     check_stage1_memory(plan)  # a worker over train.device_memory: refused before any model
     plan.cache.require_writable()
     return plan.cache.sweep_temp_files()  # no writer of this run has started yet

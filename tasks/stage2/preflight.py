@@ -94,11 +94,13 @@ def check_layout(config: SplitstageConfig) -> None:
 
 
 def check_models(plan: JobPlan) -> None:
-    """Every model stage 2 builds has a usable source, and its weights file fits it."""
+    """Every model stage 2 builds has a usable source, its weights file fits it, and the job's
+    models fit each other."""
     family = plan.family
     unsplit = plan.config.train.mode == "unsplit"
     names = list(family.model_names) if unsplit else plan.split.models["stage2"]
     family.check_models(names)
+    family.check_component_shapes()  # both stages' parts fit each other (config reads)
     for name in names:
         weights = family.weights_file(name)
         if weights and weights[0].endswith((".safetensors", ".safetensors.index.json")):

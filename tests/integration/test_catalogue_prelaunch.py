@@ -108,6 +108,21 @@ def test_refused_before_launch(case, cached, tmp_path, capsys):
     assert not list(tmp_path.glob("out/**/*.safetensors"))
 
 
+JOB_CASES = sorted(name for name, (_, command, _) in CASES.items() if command == "validate")
+
+
+@pytest.mark.parametrize("case", JOB_CASES)
+def test_preprocess_refuses_what_validate_and_train_refuse(case, assets, tmp_path, capsys):  # noqa: F811
+    """One set of the job's checks for all three commands: stage 1 is never spent on a job
+    train would refuse (refused before the data set is indexed or a model loads)."""
+    groups, _, needles = CASES[case]
+    fresh = {"cache": f'url = "{tmp_path}/cache"\nshard_samples = 4'}
+    path = job(assets, tmp_path, **{**fresh, **groups})
+    for command in ("validate", "preprocess", "train"):
+        check_one_line(*cli([command, path], capsys), *needles)
+    assert not list(tmp_path.glob("cache/**/*.safetensors"))
+
+
 def test_training_before_preprocess_says_run_preprocess(assets, tmp_path, capsys):  # noqa: F811
     path = job(assets, tmp_path, cache=f'url = "{tmp_path}/empty-cache"')
     check_one_line(*cli(["train", path], capsys), "holds no samples", "splitstage preprocess")
