@@ -116,12 +116,12 @@ def _rule_of(name: str, tensor, keys: list[str], bounds: torch.Tensor, scale: in
         raise KeyRuleError(f"{name}: the converter changed values (not a copy of file rows)")
     which = torch.searchsorted(bounds, ids, right=True) - 1
     rows = ids - bounds[which]
-    pieces: list[list[int]] = []  # [file index, first row, last row + 1]
-    for w, r in zip(which.tolist(), rows.tolist()):
-        if pieces and pieces[-1][0] == w and pieces[-1][2] == r:
-            pieces[-1][2] += 1
-        else:
-            pieces.append([w, r, r + 1])
+    # runs of consecutive rows of one file tensor, found at once (a real model has millions)
+    breaks = (which[1:] != which[:-1]) | (rows[1:] != rows[:-1] + 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
+    starts = starts[: ids.numel()]  # an empty tensor reads no rows
+    ends = torch.cat([starts[1:], torch.tensor([ids.numel()])])[: starts.numel()]
+    pieces = zip(which[starts].tolist(), rows[starts].tolist(), (rows[ends - 1] + 1).tolist())
     found = []
     scale = scale if tensor.ndim else 1  # a 0-d tensor's proxy is one id, unscaled
     for w, a, b in pieces:
