@@ -18,6 +18,7 @@ from splitstage.pipelines.diffusers.lora_export import (
     kohya_lora_metadata,
     kohya_lora_state,
 )
+from splitstage.pipelines.diffusers.original_layout_export import original_layout_files
 from splitstage.pipelines.family import ExportRequest
 
 Files = dict[str, tuple[str, bytes]]
@@ -103,7 +104,8 @@ def lora_files(
 
 def component_folder_files(component: Component, state: dict[str, torch.Tensor]) -> Files:
     """The trained component as `save_pretrained` writes it (config + safetensors, sharded when
-    big), under `<output>/<component>/`, so `from_pretrained(out, subfolder=component)` loads."""
+    big), under `<output>/<component>/`, so `from_pretrained(out, subfolder=component)` loads;
+    a denoiser with an original layout also as `<component>_original.safetensors` beside it."""
     model = build_empty(component)
     name = component.name
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -120,4 +122,4 @@ def component_folder_files(component: Component, state: dict[str, torch.Tensor])
         for path in sorted(Path(scratch).iterdir()):
             label = name if path.name == "config.json" else f"{name}/{path.name}"
             files[label] = (f"{name}/{path.name}", path.read_bytes())
-    return files
+    return files | original_layout_files(name, model)

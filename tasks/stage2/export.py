@@ -104,6 +104,29 @@ def export_weights(
     return written
 
 
+def set_aside_averages(places: RunPlaces, written: dict[str, str]) -> list[tuple[str, str]]:
+    """Rename the `_ema` twin of each file `written` into the run's output folder, where an
+    earlier launch left one, to `<name>.stale` (`.stale-2`, ...: none overwritten); (old, new)
+    URLs. Only names this export would write there are touched."""
+    url, options = places.output_url.rstrip("/"), places.output_storage_options
+    fs, root = open_fs(url, options)
+    moved = []
+    for target in written.values():
+        if not target.startswith(url + "/"):
+            continue
+        name = with_suffix(target[len(url) + 1 :], "_ema")
+        if not fs.exists(join(root, name)):
+            continue
+        aside, n = f"{name}.stale", 1
+        while fs.exists(join(root, aside)):
+            n += 1
+            aside = f"{name}.stale-{n}"
+        with storage_errors(f"{url}/{name}", "set aside", options, field="output.url"):
+            fs.mv(join(root, name), join(root, aside))
+        moved.append((f"{url}/{name}", f"{url}/{aside}"))
+    return moved
+
+
 def with_suffix(file_name: str, suffix: str) -> str:
     """`dit_lora.safetensors` + `_ema` -> `dit_lora_ema.safetensors` (folders kept)."""
     if not suffix:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from splitstage.config.job import ConfigError, TrainConfig
 from splitstage.config.update_rule import SCHEDULE_ARGUMENTS
 from splitstage.tasks.stage2.checkpoint import CheckpointError
+from splitstage.tasks.stage2.resume import average_start
 
 # name -> (package to import, pip name, "module:Class")
 OPTIMIZERS = {
@@ -211,7 +212,21 @@ class TrainedAverage:
         from diffusers.training_utils import EMAModel
 
         self.params = list(params)
+        self.decay, self.start_update = decay, start_update  # the config's
         self.ema = EMAModel(self.params, decay=decay, update_after_step=start_update)
+        self.loaded = False  # whether a checkpoint's average was restored
+
+    def resume_at(self, update: int) -> None:
+        """After a resume from checkpoint `update`: the config's decay holds from here on (the
+        checkpoint's would otherwise win); an average the checkpoint did not hold starts from
+        the resumed weights at `update` (`resume.average_start`), counting updates as the run
+        does."""
+        saved_start = self.ema.update_after_step if self.loaded else None
+        if not self.loaded:
+            self.ema.shadow_params = [p.detach().clone() for p in self.params]
+            self.ema.optimization_step = update
+        self.ema.decay = self.decay
+        self.ema.update_after_step = average_start(saved_start, self.start_update, update)
 
     def step(self) -> None:
         """After an update: fold the new parameters into the average."""
@@ -239,6 +254,7 @@ class TrainedAverage:
             )
         moved = [t.to(p.device) for t, p in zip(shadow, self.params, strict=True)]
         self.ema.load_state_dict({**state, "shadow_params": moved})
+        self.loaded = True
 
     def state_by_name(self, names: Sequence[str]) -> dict[str, Any]:
         """The state with the averaged tensors keyed by parameter name, on CPU: ranks holding

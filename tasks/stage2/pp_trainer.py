@@ -271,4 +271,6 @@ class PipelineTrainer(Trainer):
         written = write(self.gathered())
         if self.average is not None:
             written |= write(self.average.swapped_in(self.gathered), "_ema")
+        else:
+            self.set_aside_stale_average(written)
         return written

@@ -9,12 +9,21 @@ set, the mode) or the trained tensors (which model, LoRA rank, alpha, targets) c
 refused, naming what changed and how to start fresh. Run length (epochs, max_steps) and
 logging/checkpoint cadence may change freely.
 
-What a run trains on (family, pipeline, base weights: its identity) is recorded with the settings
-under `IDENTITY`, computed by the launcher before launch (`run_identity`), so every checkpoint
-carries it (`Trainer.save` writes the settings) and the export's metadata names it. Each model is
-named by the content fingerprint the cache key uses (`JobPlan.model_fingerprint`: weights files
-hashed once, memoized by path, size and mtime), so a resume on another file with the same
-architecture is refused before training, naming both, as is one on another family. Every
+The schedule, clipping and precision (`lr_scheduler`, its arguments, `max_grad_norm`,
+`mixed_precision`) apply from the resume point on, said like the optimizer's. [train.ema] too
+(`ema_changes`): a new decay or start_update holds from the resume point on (the checkpoint's
+average is kept, unless the new start_update lies ahead); an average added at a resume starts
+from the resumed weights, at the resume update, not from the start (`average_start`); one
+removed is dropped, and the export sets an earlier launch's `*_ema` files aside instead of
+leaving them beside newer weights.
+
+What a run trains on (family, pipeline, base weights, and the task it trains for: its identity)
+is recorded with the settings under `IDENTITY`, computed by the launcher before launch
+(`run_identity`), so every checkpoint carries it (`Trainer.save` writes the settings) and the
+export's metadata names it. Each model is named by the content fingerprint the cache key uses
+(`JobPlan.model_fingerprint`: weights files hashed once, memoized by path, size and mtime), so a
+resume on another file with the same architecture is refused before training, naming both, as is
+one on another family or another `train.task` (its loss: refused, not continued). Every
 checkpoint splitstage writes records both; one that does not (another tool's, or damaged) is
 refused, not resumed unchecked.
 """
@@ -50,6 +59,10 @@ APPLIED = {
     "optimizer_args": "train.optimizer_args",
     "weight_dtype": "train.weight_dtype (the frozen base's dtype)",
     "base_quantization": "train.base_quantization (the frozen base's quantization)",
+    "lr_scheduler": "train.lr_scheduler",
+    "lr_scheduler_args": "train.lr_scheduler_args",
+    "max_grad_norm": "train.max_grad_norm",
+    "mixed_precision": "train.mixed_precision",
 }
 
 IDENTITY = "base"  # the key of the identity in the recorded run settings
@@ -90,6 +103,13 @@ def run_settings(
         "optimizer_args": dict(sorted(train.optimizer_args.items())),
         "weight_dtype": train.weight_dtype if lora else None,
         "base_quantization": train.base_quantization if lora else None,
+        "lr_scheduler": train.lr_scheduler,
+        "lr_scheduler_args": dict(sorted(train.lr_scheduler_args.items())),
+        "max_grad_norm": train.max_grad_norm,
+        "mixed_precision": train.mixed_precision,
+        "ema": None
+        if train.ema is None
+        else {"decay": train.ema.decay, "start_update": train.ema.start_update},
         "fit": fit,
     }
 
@@ -116,16 +136,67 @@ def compare(
             f"repeat samples or load other tensors; restore the old values, or start fresh with "
             f"another --run-id (or delete {checkpoint_url})"
         )
-    return [
+    applied = [
         f"{APPLIED[k]} changed {saved[k]!r} -> {now[k]!r} since checkpoint step {step}: "
         f"applied from update {step} on"
         for k in APPLIED
         if k in saved and saved[k] != now[k]
     ]
+    return applied + ema_changes(saved, now, step=step)
+
+
+def average_start(saved_start: int | None, start: int, step: int) -> int:
+    """The update the average starts at when a run resumes from `step`: the config's
+    `start_update`, or the resume step when the checkpoint holds no average (`saved_start` None)
+    or one that had not started by then (it holds the resumed weights, nothing averaged)."""
+    if saved_start is None or step <= saved_start:
+        return max(start, step)
+    return start
+
+
+def ema_changes(saved: Mapping[str, Any], now: Mapping[str, Any], *, step: int) -> list[str]:
+    """One line per [train.ema] change since checkpoint `step`, saying what the trainer does
+    (nothing for a checkpoint that records no EMA settings: made before they were recorded)."""
+    if "ema" not in saved or saved["ema"] == now.get("ema"):
+        return []
+    before, after = saved["ema"], now.get("ema")
+    since = f"since checkpoint step {step}"
+    if after is None:
+        return [
+            f"[train.ema] removed {since}: the checkpoint's average is dropped, the export "
+            "writes no *_ema files and sets an earlier launch's aside (renamed *.stale) in "
+            "the run's output folder"
+        ]
+    saved_start = None if before is None else before["start_update"]
+    start = average_start(saved_start, after["start_update"], step)
+    if before is None:
+        return [
+            f"[train.ema] added {since}: the average starts at update {start} (resumed), not "
+            "from the start: it holds no update before it"
+        ]
+    lines = []
+    if before["decay"] != after["decay"]:
+        lines.append(
+            f"train.ema.decay changed {before['decay']!r} -> {after['decay']!r} {since}: "
+            f"applied from update {step} on (the average so far is kept)"
+        )
+    if saved_start != after["start_update"]:
+        if step <= saved_start:
+            what = "it had averaged nothing yet"
+        elif start > step:
+            what = "the average so far is dropped"
+        else:
+            what = f"the average so far is kept, its warm-up counted from update {start}"
+        lines.append(
+            f"train.ema.start_update changed {saved_start!r} -> {after['start_update']!r} "
+            f"{since}: the average starts at update {start} ({what})"
+        )
+    return lines
 
 
 def run_identity(plan: JobPlan) -> dict[str, Any]:
-    """{family, pipeline, models: {name: {fingerprint, source}}} of every model the run uses."""
+    """{family, pipeline, task, models: {name: {fingerprint, source}}} of every model the run
+    uses."""
     family = plan.family
     if plan.config.train.mode == "unsplit":
         names = set(family.model_names)
@@ -138,7 +209,8 @@ def run_identity(plan: JobPlan) -> dict[str, Any]:
         }
         for name in sorted(names)
     }
-    return {"family": family.name, "pipeline": plan.pipeline.name, "models": models}
+    task = plan.config.train.task
+    return {"family": family.name, "pipeline": plan.pipeline.name, "task": task, "models": models}
 
 
 def describe_source(source: str | Mapping[str, Any]) -> str:
@@ -173,8 +245,8 @@ def check_resume_identity(
     step: int,
     checkpoint_url: str,
 ) -> list[str]:
-    """Refuse (one line) a checkpoint made on another family, pipeline or base weights, or one
-    that records none (not written by splitstage, or damaged)."""
+    """Refuse (one line) a checkpoint made on another family, pipeline or base weights, or for
+    another `train.task`, or one that records none (not written by splitstage, or damaged)."""
     saved = (saved_settings or {}).get(IDENTITY)
     if not saved:
         raise ResumeConfigError(unrecorded(step, "family or base weights", checkpoint_url))
@@ -186,6 +258,14 @@ def check_resume_identity(
             f"{current['pipeline']!r}): its weights cannot continue on another pipeline; set "
             f"pipeline.name back to {saved.get('family')!r} (with the weights it was trained "
             f"on), {fresh}"
+        )
+    task = saved.get("task")  # None: a checkpoint made before the task was recorded
+    if task is not None and task != current.get("task"):
+        raise ResumeConfigError(
+            f"train.task changed {task!r} -> {current.get('task')!r} since checkpoint step "
+            f"{step}: its weights, optimizer state and schedule were trained for the {task} "
+            f"loss, and continuing them under another loss is not this run; set train.task = "
+            f"{task!r} back, {fresh}"
         )
     before, now = saved.get("models") or {}, current["models"]
     changed = sorted(
@@ -203,6 +283,12 @@ def check_resume_identity(
             f"({what}): resuming would continue it on other weights; point the config back at "
             f"the weights it was trained on, {fresh}"
         )
+    if task is None:
+        return [
+            f"checkpoint step {step} records no train.task (an older splitstage made it): "
+            f"resumed as train.task = {current.get('task')!r}, unchecked; if it was trained "
+            f"for another task, {fresh}"
+        ]
     return []
 
 

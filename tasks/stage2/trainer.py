@@ -32,7 +32,7 @@ from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.batches import CachedBatches, RawBatches, UpdateBatches
 from splitstage.tasks.stage2.checkpoint import Checkpointer, Stateful
 from splitstage.tasks.stage2.distributed import DistInfo
-from splitstage.tasks.stage2.export import export_weights
+from splitstage.tasks.stage2.export import export_weights, set_aside_averages
 from splitstage.tasks.stage2.faults import crash, injected_fault
 from splitstage.tasks.stage2.models import Stage2Models, build_stage2_models
 from splitstage.tasks.stage2.optimization import (
@@ -335,6 +335,8 @@ class Trainer:
         step = self.checkpointer.load()
         if step is not None:
             self.log(f"resumed from checkpoint step {step}")
+            if self.average is not None:  # the config's EMA settings, from here on
+                self.average.resume_at(step)
         train = self.config.train
         self.total_updates = self.batches.planned_updates(
             self.state.update, train.epochs, train.max_steps
@@ -433,7 +435,18 @@ class Trainer:
                     suffix="_ema",
                 )
             )
+        else:
+            self.set_aside_stale_average(written)
         return written
+
+    def set_aside_stale_average(self, written: dict[str, str]) -> None:
+        """Without [train.ema]: an earlier launch's `*_ema` files beside these weights would look
+        current; rename them `*.stale` (rank 0; only in the run's output folder) and say so."""
+        for old, new in set_aside_averages(self.places, written):
+            self.log(
+                f"[train.ema] is off: {old} is an earlier launch's average, older than the "
+                f"weights beside it; renamed {new}"
+            )
 
     def trained_models(self) -> list[torch.nn.Module]:
         """The modules being trained."""

@@ -189,7 +189,7 @@ def test_a_sharded_override_of_the_denoiser_loads_the_same_weights(root):
     assert run(override, root).losses == run(plain, root).losses
 
 
-def test_full_fine_tuning_exports_a_component_folder_from_pretrained_loads(root):
+def test_full_fine_tuning_exports_a_component_folder_and_an_original_file(root):
     from diffusers import SD3Transformer2DModel
 
     config = job(root, "sd3", "sd3-full", trainable={"full": ["transformer"]}, max_steps=1)
@@ -204,6 +204,13 @@ def test_full_fine_tuning_exports_a_component_folder_from_pretrained_loads(root)
     assert set(loaded.state_dict()) == set(want)
     assert all(torch.equal(t, want[k]) for k, t in loaded.state_dict().items())
     assert any(not torch.equal(t, want[k]) for k, t in original.state_dict().items())
+    # and the original SD3 layout beside it, as diffusers' from_single_file reads it
+    single = Path(report.outputs["transformer_original"])
+    assert single == out / "transformer_original.safetensors"
+    read = SD3Transformer2DModel.from_single_file(
+        str(single), config=str(root / "sd3"), subfolder="transformer", local_files_only=True
+    )
+    assert all(torch.equal(t, want[k]) for k, t in read.state_dict().items())
 
 
 def test_training_the_text_encoder_moves_its_unit_to_stage_2(root):

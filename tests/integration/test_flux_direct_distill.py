@@ -6,8 +6,8 @@ embeddings (the noise unit is V2, never run per step) under a cache key of its o
 equals FluxPipeline's own sampling (its scheduler steps, the same seed, no grad) against the
 image's latents; a real split run (torchrun, 1 rank) starts from that loss, equals the unsplit
 run and exports a LoRA (diffusers' layout and kohya's) that FluxPipeline.load_lora_weights loads
-into the transformer, whose few-step sampling then reproduces the trained model's; a row without
-its seed is one line.
+into the transformer, whose few-step sampling then reproduces the trained model's, and a resume of
+it as 'sft' is refused; a row without its seed is one line.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
 from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
+from splitstage.tasks.stage2.outputs import run_places
+from splitstage.tasks.stage2.preflight import preflight
+from splitstage.tasks.stage2.resume import ResumeConfigError
 from tests.helpers.stage2_step import trained_model
 from tests.helpers.tiny_diffusers import write_tiny_folder
 
@@ -199,6 +202,10 @@ def test_split_training_runs_equals_unsplit_and_exports(root):
     assert abs(report.losses[0] - expected) <= 1e-5 * max(1.0, expected)  # LoRA starts at base
     assert report.models_loaded == ["transformer"]
     assert Path(report.outputs["transformer"]).is_file()
+    # Resuming it under another train.task: refused by rank 0's checks, before any weight loads.
+    sft = job(root, "split", task="sft", learning_rate=1e-3)
+    with pytest.raises(ResumeConfigError, match="train.task changed 'direct_distill' -> 'sft'"):
+        preflight(make_plan(sft), run_places(sft, "split", root / "runs"))
     unsplit = job(root, "unsplit", mode="unsplit", learning_rate=1e-3)
     unsplit = train(unsplit, run_root=root / "runs", env=ENV, on_line=lambda line: None)
     assert unsplit.losses == pytest.approx(report.losses, rel=1e-5)

@@ -1,6 +1,7 @@
 """The update rule of a run: each optimizer and schedule trains, checkpoints and resumes bitwise;
 the pre-clip gradient norm is recorded and clipping bounds it; the EMA of the trained weights
-resumes and is exported beside them; bad settings are one line before launch."""
+resumes and is exported beside them, is said and set aside when removed at a resume, and starts
+at the resume update when added there; bad settings are one line before launch."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from splitstage.config.job import ConfigError, TrainConfig
 from splitstage.process.torchrun import TorchrunError
 from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage2 import optimization
+from splitstage.tasks.stage2.checkpoint import read_extra_state
 from splitstage.tasks.stage2.optimization import check_update_rule, clip_gradients
 from splitstage.tasks.stage2.run_records import launches, read_metrics
 from tests.helpers import catalogue
@@ -42,9 +44,10 @@ def metrics(report) -> list[dict]:
     return read_metrics(Path(report.run_dir))
 
 
-def launch(workspace: Path, name: str, env=ENV, **fields):
-    config = tiny_config(workspace, name, 5, max_steps=4, checkpoint_every=2, **fields)
-    return train(config, run_root=workspace / "runs", env=env, on_line=lambda line: None)
+def launch(workspace: Path, name: str, env=ENV, said=None, **fields):
+    config = tiny_config(workspace, name, 5, **{"max_steps": 4, "checkpoint_every": 2, **fields})
+    on_line = said.append if said is not None else lambda line: None
+    return train(config, run_root=workspace / "runs", env=env, on_line=on_line)
 
 
 @pytest.mark.parametrize("optimizer", sorted(RULES))
@@ -80,6 +83,27 @@ def test_each_optimizer_and_schedule_resumes_bitwise(workspace, optimizer):
         )
         assert trained.keys() == average.keys()
         assert any(not torch.equal(trained[k], average[k]) for k in trained)
+        ema_removed_then_added(workspace, f"{optimizer}-crash", fields, resumed)
+
+
+def ema_removed_then_added(workspace: Path, name: str, fields: dict, finished) -> None:
+    """[train.ema] removed at a resume: said, and the earlier launch's average is set aside, not
+    left beside newer weights; added again: said, and it starts at the resume update."""
+    plain = {k: v for k, v in fields.items() if k != "ema"}
+    said: list[str] = []
+    off = launch(workspace, name, said=said, max_steps=5, **plain)
+    stale = Path(finished.outputs["dit_ema"])
+    assert any("[train.ema] removed since checkpoint step 4" in line for line in said), said
+    assert any(f"{stale} is an earlier launch's average" in line for line in said), said
+    assert set(off.outputs) == {"dit"} and not stale.exists()
+    assert load_file(f"{stale}.stale").keys() == load_file(off.outputs["dit"]).keys()
+    said.clear()
+    on = launch(workspace, name, said=said, max_steps=6, **fields)
+    assert any("[train.ema] added since checkpoint step 5" in line for line in said), said
+    assert any("starts at update 5 (resumed)" in line for line in said), said
+    average = read_extra_state(on.checkpoint_url, 6)["ema"]
+    assert (average["optimization_step"], average["update_after_step"]) == (6, 5)
+    assert set(on.outputs) == {"dit", "dit_ema"}
 
 
 def test_grad_norm_is_recorded_and_clipping_bounds_it(workspace):
@@ -112,6 +136,14 @@ def test_clip_gradients_returns_the_pre_clip_norm_and_bounds_it():
         ("optimizer_args = { momentum = 0.9 }", ["train.optimizer_args", "momentum"]),
         ("optimizer_args = { lr = 0.1 }", ["train.optimizer_args", "learning_rate"]),
         ('lr_scheduler = "cosine"\nlr_scheduler_args = { lr_end = 0.1 }', ["lr_end"]),
+        (
+            'lr_scheduler = "cosine"\nlr_scheduler_args = { num_cycles = 2 }',
+            ["train.lr_scheduler_args", "num_cycles", "cosine_with_restarts", "ignored"],
+        ),
+        (
+            'lr_scheduler = "linear"\nlr_scheduler_args = { power = 2.0 }',
+            ["train.lr_scheduler_args", "power", "polynomial", "ignored"],
+        ),
         ('parallelism = "fsdp"\n[train.ema]\ndecay = 0.99', ["[train.ema]", "fsdp"]),
     ],
 )
