@@ -30,6 +30,24 @@ PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
         {"edit_image_auto_resize": True, "zero_cond_t": False},
     ),
 }
+# Pipeline class -> the slots its training units cannot run without, and what each does there.
+REQUIRED_SLOTS: dict[str, dict[str, str]] = {
+    "ZImagePipeline": {
+        "dit": "the model trained",
+        "text_encoder": "it encodes the prompts",
+        "vae_encoder": "it encodes the training images",
+    },
+    "WanVideoPipeline": {
+        "dit": "the model trained",
+        "text_encoder": "it encodes the prompts",
+        "vae": "it encodes the training clips",
+    },
+    "QwenImagePipeline": {
+        "dit": "the model trained",
+        "text_encoder": "it encodes the prompts",
+        "vae": "it encodes the training images",
+    },
+}
 INSTALL_HINT = (
     "pip install 'splitstage[diffsynth]' (on a GPU also the torchvision build matching your torch; "
     "see docs/families/diffsynth.md)"

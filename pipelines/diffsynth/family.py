@@ -30,13 +30,14 @@ from splitstage.data.dataset import Row, decode_image, read_image_bytes
 from splitstage.data.images import center_crop_resize
 from splitstage.data.videos import video_key_settings
 from splitstage.pipelines.diffsynth.adapter import DEFAULT_STEP_PARAMS, pipeline_from_diffsynth
-from splitstage.pipelines.diffsynth.config import PIPELINES
+from splitstage.pipelines.diffsynth.config import PIPELINES, REQUIRED_SLOTS
 from splitstage.pipelines.diffsynth.loader import (
     DTYPES,
     SlotSource,
     diffsynth_module,
     load_slot,
     meta_model,
+    meta_pipeline,
     skeleton,
     stand_ins,
     training_mode,
@@ -123,7 +124,12 @@ class DiffSynthFamily(Family):
     def stand_ins(self) -> dict[str, nn.Module]:
         """Pipeline slot -> the model DiffSynth's from_pretrained puts there, on the meta device
         (headers and meta-device builds only; `.splitstage_source`: its file and entry)."""
-        return stand_ins(self.group)
+        return stand_ins(self.meta_pipe)
+
+    @cached_property
+    def meta_pipe(self) -> Any:
+        """The pipeline DiffSynth's from_pretrained builds from every file, on meta (no weights)."""
+        return meta_pipeline(self.group)
 
     @cached_property
     def sources(self) -> dict[str, SlotSource]:
@@ -237,6 +243,28 @@ class DiffSynthFamily(Family):
             self.require_known(name)
         for name in self.config.trainable.models():
             self.require_known(name)
+
+    def check_component_shapes(self) -> None:
+        """Every slot DiffSynth's training units need is filled by a file, and the image size
+        divides as the pipeline's models need (its factor, set by its VAE), before any model
+        loads: not a shape traceback in the ranks after stage 1."""
+        group = self.group
+        for slot in REQUIRED_SLOTS[group.pipeline_class]:
+            if slot not in self.sources:
+                raise ConfigError(
+                    f"pipeline.model_paths: no file fills the {group.pipeline_class} '{slot}' "
+                    f"({REQUIRED_SLOTS[group.pipeline_class][slot]}); add its file to "
+                    "pipeline.model_paths"
+                )
+        for size in ("height", "width"):
+            factor = getattr(self.meta_pipe, f"{size}_division_factor")
+            value = getattr(group, size)
+            if value % factor:
+                fits = max(factor, round(value / factor) * factor)
+                raise ConfigError(
+                    f"pipeline.{size} = {value}: {group.pipeline_class} with these model files "
+                    f"needs a multiple of {factor} (its VAE and patching); use {fits}"
+                )
 
     def require_loaded(self, name: str) -> SlotSource:
         """The file and MODEL_CONFIGS entry of a slot, or one line naming what to add."""

@@ -139,13 +139,11 @@ def _pool_for(cls: type, pool: Any) -> Iterator[None]:
             cls.download_and_load_models = own
 
 
-def stand_ins(config: DiffSynthPipelineConfig) -> dict[str, torch.nn.Module]:
-    """Slot -> the model DiffSynth's `from_pretrained` puts there, built on the meta device (its
-    slot rules, e.g. Wan's dit / dit2, unchanged; nothing loaded; `.splitstage_source` is its
-    file and entry). A stage that does not load a slot holds its stand-in there, as DiffSynth's
-    split training holds an offloaded model: units that look at another slot's structure
-    (Z-Image's prompt unit picks its encoding by the DiT's `siglip_embedder`) see what they
-    see in DiffSynth."""
+def meta_pipeline(config: DiffSynthPipelineConfig) -> Any:
+    """DiffSynth's `from_pretrained` over every model file built on the meta device (its slot
+    rules, e.g. Wan's dit / dit2, unchanged; nothing loaded; each model's `.splitstage_source`
+    is its file and entry): the slots it fills and the sizes its models set (Wan 2.2's VAE sets
+    the division factor), known before any weight is read."""
     pool = diffsynth_module("diffsynth.models.model_loader").ModelPool()
     for path in config.model_paths:
         for entry in file_entries(path, config.register_models):
@@ -156,9 +154,16 @@ def stand_ins(config: DiffSynthPipelineConfig) -> dict[str, torch.nn.Module]:
             pool.model_path.append(path)
     cls = pipeline_class(config)
     with _CONFIGS_LOCK, _pool_for(cls, pool), contextlib.redirect_stdout(io.StringIO()):
-        pipe = cls.from_pretrained(
+        return cls.from_pretrained(
             torch_dtype=DTYPES[config.torch_dtype], device="cpu", tokenizer_config=None
         )
+
+
+def stand_ins(pipe: Any) -> dict[str, torch.nn.Module]:
+    """Slot -> the meta pipeline's model there. A stage that does not load a slot holds its
+    stand-in there, as DiffSynth's split training holds an offloaded model: units that look at
+    another slot's structure (Z-Image's prompt unit picks its encoding by the DiT's
+    `siglip_embedder`) see what they see in DiffSynth."""
     return {
         slot: model.to("meta").requires_grad_(False).eval()  # its buffers too: it holds nothing
         for slot, model in pipe.named_children()

@@ -22,6 +22,7 @@ from diffsynth.diffusion.loss import FlowMatchSFTLoss
 from safetensors.torch import load_file
 
 from splitstage.cli import main
+from splitstage.config.job import config_from_dict
 from splitstage.data.digits import write_digits_dataset
 from splitstage.data.index import index_data_set
 from splitstage.pipelines.diffsynth.loader import pipeline_class
@@ -276,3 +277,31 @@ def test_batch_size_above_one_is_refused_before_launch(root):
     with pytest.raises(Exception) as error:
         make_plan(config)
     assert "train.gradient_accumulation_steps = 4" in str(error.value)
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_a_missing_slot_or_a_size_the_models_cannot_take_is_refused_by_validate(root, name):
+    """Parts that do not fit are found before anything runs (validate's checks, which preprocess
+    and train run too): a model_paths list without the VAE's file names the slot; a height
+    that the pipeline's division factor does not divide names the factor and a size that fits."""
+    from splitstage.pipelines.diffsynth.config import REQUIRED_SLOTS
+    from splitstage.splitter import UserError
+    from splitstage.tasks.stage2.preflight import check_job
+
+    document = job_document(root, name)
+    vae = next(s for s in REQUIRED_SLOTS[name] if s.startswith("vae"))
+    info = json.loads((root / name / "info.json").read_text())
+    vae_file = next(p for p in info["model_paths"] if Path(p).stem == vae)
+    without = [p for p in document["pipeline"]["model_paths"] if p != vae_file]
+    broken = {**document, "pipeline": {**document["pipeline"], "model_paths": without}}
+    with pytest.raises(UserError) as error:
+        check_job(make_plan(config_from_dict(broken)))
+    message = str(error.value)
+    assert f"'{vae}'" in message and "pipeline.model_paths" in message, message
+    odd = {**document, "pipeline": {**document["pipeline"], "height": 30}}
+    with pytest.raises(UserError) as error:
+        check_job(make_plan(config_from_dict(odd)))
+    message = str(error.value)
+    assert "pipeline.height = 30" in message and "multiple of 16" in message, message
+    assert "use 32" in message, message
+    check_job(make_plan(config_from_dict(document)))  # the whole folder, 32 x 32: fits
