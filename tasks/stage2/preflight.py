@@ -100,7 +100,6 @@ def check_models(plan: JobPlan) -> None:
     unsplit = plan.config.train.mode == "unsplit"
     names = list(family.model_names) if unsplit else plan.split.models["stage2"]
     family.check_models(names)
-    family.check_component_shapes()  # both stages' parts fit each other (config reads)
     for name in names:
         weights = family.weights_file(name)
         if weights and weights[0].endswith((".safetensors", ".safetensors.index.json")):
@@ -109,6 +108,7 @@ def check_models(plan: JobPlan) -> None:
                 check_weights_file(meta_model, weights[0], weights[1])
             except WeightsError as error:
                 raise ConfigError(f"models.{name}.weights: {error}") from None
+    family.check_component_shapes()  # both stages' parts fit each other (config reads)
 
 
 def check_trainable(plan: JobPlan) -> list[str]:
