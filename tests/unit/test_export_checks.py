@@ -105,12 +105,15 @@ def identity(family: str = "sd", **fingerprints: str) -> dict:
         name: {"fingerprint": fp, "source": f"/w/{name}.safetensors"}
         for name, fp in (fingerprints or {"unet": "aa" * 32}).items()
     }
-    return {"family": family, "pipeline": family, "models": models}
+    return {"family": family, "pipeline": family, "task": "sft", "models": models}
 
 
 def test_resume_identity_refuses_another_family_or_base_or_none_recorded():
     where = {"step": 2, "checkpoint_url": "/ckpt"}
     assert check_resume_identity({"base": identity()}, identity(), **where) == []
+    untasked = {k: v for k, v in identity().items() if k != "task"}  # an older splitstage's
+    (line,) = check_resume_identity({"base": untasked}, identity(), **where)
+    assert "records no train.task" in line and "resumed as train.task = 'sft'" in line
     with pytest.raises(ResumeConfigError) as error:
         check_resume_identity({"base": identity()}, identity("sdxl"), **where)
     assert "'sd' family" in str(error.value) and "names 'sdxl'" in str(error.value)
