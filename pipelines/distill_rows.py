@@ -134,6 +134,12 @@ def check_distill_rows(rows: Iterable[Row]) -> None:
 
 def check_rows(config: SplitstageConfig, rows: Iterable[Row]) -> None:
     """The row table's values the job's task reads, before stage 1 loads a model (preprocess,
-    validate and train alike): direct distillation's teacher settings, else nothing."""
+    validate and train alike): reference images against the family's rule, video rows
+    against the media it trains on, and direct distillation's teacher settings."""
+    from splitstage.pipelines.family import check_family_rows
+    from splitstage.pipelines.video_rows import check_video_rows
+
+    check_family_rows(config, rows)
+    check_video_rows(config, rows)  # video files for a family that trains on images
     if config.train.task == "direct_distill":
         check_distill_rows(rows)

@@ -22,12 +22,15 @@ from torch import nn
 from splitstage.config.families import config_class, import_object
 from splitstage.config.job import ConfigError, ModelConfig
 from splitstage.data.buckets import BucketError, Buckets
+from splitstage.data.references import ReferenceImages, check_reference_rows
 from splitstage.data.source import DataSource
 from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
 from splitstage.splitter import Pipeline
 from splitstage.storage.safetensors_io import index_weight_map, is_index_path
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from splitstage.config.job import SplitstageConfig
     from splitstage.data.dataset import Row, SizeRule
 
@@ -66,6 +69,9 @@ class Family:
     # Whether the memory plan can step its units on fake models (they take models from the
     # step's context, not from an object of their own that loads them).
     fake_steps: ClassVar[bool] = True
+    # The reference images ('edit_image') a row carries beside its target, and their size;
+    # None: the family takes none, and rows with them are refused before stage 1.
+    reference_images: ClassVar[ReferenceImages | None] = None
 
     def __init__(self, config: SplitstageConfig):
         self.config = config
@@ -433,3 +439,23 @@ def family_class(name: str) -> type[Family]:
 def family_for(config: SplitstageConfig) -> Family:
     """The family the job's `[pipeline] name` picks, bound to the job config."""
     return family_class(config.pipeline.name)(config)
+
+
+def reference_takers() -> list[str]:
+    """The registered families that take reference images (imports each: for messages only)."""
+    from splitstage.config.families import family_names
+
+    takers = []
+    for name in family_names():
+        try:
+            if family_class(name).reference_images is not None:
+                takers.append(name)
+        except Exception:  # noqa: BLE001 - a family whose extra is not installed takes none here
+            continue
+    return takers
+
+
+def check_family_rows(config: SplitstageConfig, rows: Iterable[Row]) -> None:
+    """The rows' reference images against the family's `reference_images` (before stage 1)."""
+    name = config.pipeline.name
+    check_reference_rows(rows, family_class(name).reference_images, name, reference_takers)

@@ -68,6 +68,7 @@ class DiffSynthPipelineConfig(PipelineConfig):
 
     family_class: ClassVar[str] = "splitstage.pipelines.diffsynth.family:DiffSynthFamily"
     models_in_config: ClassVar[bool] = False  # models are the pipeline's slots (dit, vae, ...)
+    video_rows: ClassVar[str] = "'diffsynth' with pipeline_class = 'WanVideoPipeline'"
     name: Literal["diffsynth"] = "diffsynth"
 
     pipeline_class: str = setting(
@@ -104,6 +105,10 @@ class DiffSynthPipelineConfig(PipelineConfig):
     min_timestep_boundary: float = setting(
         0.0, stage1=False, ge=0, lt=1, description="FlowMatchSFTLoss: lowest timestep share."
     )
+
+    def takes_video(self) -> bool:
+        """Video pipelines (Wan) take video rows as clips; the image pipelines take images."""
+        return "video" in self.pipeline_class.lower()
 
     @model_validator(mode="before")
     @classmethod

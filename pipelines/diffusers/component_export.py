@@ -36,6 +36,8 @@ PIPELINE_LORA_MODULES = {
     "sd3": ("transformer", "text_encoder", "text_encoder_2"),
     "flux": ("transformer", "text_encoder"),
     "qwenimage": ("transformer",),
+    "zimage": ("transformer",),
+    "flux2": ("transformer",),
 }
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before module paths

@@ -1,4 +1,6 @@
-"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, qwenimage, wan (no torch)."""
+"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, flux_kontext, qwenimage, wan,
+zimage
+(no torch)."""
 
 from __future__ import annotations
 
@@ -175,6 +177,14 @@ class FluxPipelineConfig(FlowRecipe):
     )
 
 
+class FluxKontextPipelineConfig(FluxPipelineConfig):
+    """FLUX.1 Kontext: FLUX's settings; each row's reference image ('edit_image') is VAE-encoded
+    in stage 1 at its target's size and conditions the transformer beside the noisy latents."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.flux_kontext:FluxKontextFamily"
+    name: Literal["flux_kontext"] = "flux_kontext"  # type: ignore[assignment]
+
+
 class QwenImagePipelineConfig(FlowRecipe):
     """Qwen-Image: Qwen2.5-VL prompts + mask, video VAE, packed MMDiT, shifted flow matching.
 
@@ -239,6 +249,7 @@ class WanPipelineConfig(FlowRecipe):
     in the cache key with this group's stage-1 settings."""
 
     family_class: ClassVar[str] = f"{FAMILY_MODULE}.wan:WanFamily"
+    video_rows: ClassVar[str] = "'wan'"
     name: Literal["wan"] = "wan"
     resolution: int = setting(
         480,
@@ -274,4 +285,60 @@ class WanPipelineConfig(FlowRecipe):
         description="Wan 2.2 A14B folders (transformer + transformer_2, boundary_ratio): the "
         "expert to train: 'high_noise' = transformer on t >= boundary_ratio * 1000, "
         "'low_noise' = transformer_2 below it (set trainable.lora_base_model to match).",
+    )
+
+
+class ZImagePipelineConfig(FlowRecipe):
+    """Z-Image: Qwen3 prompts (chat template, unpadded), FLUX's VAE scaling, a single-stream DiT
+    on per-sample latents, flow matching on the scheduler's (shifted) table."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.zimage:ZImageFamily"
+    name: Literal["zimage"] = "zimage"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    max_prompt_length: int = setting(
+        512,
+        stage1=True,
+        ge=1,
+        le=1024,
+        description="Prompt tokens with the chat template around them (ZImagePipeline's "
+        "max_sequence_length); embeddings are cached padded to it, with their mask.",
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "none",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names); "
+        "'none' as diffusers' train_dreambooth_lora_z_image.",
+    )
+
+
+class Flux2PipelineConfig(FlowRecipe):
+    """FLUX.2: Mistral 3 prompts (three layers stacked), a batch-norm-normalised VAE in 2x2
+    patches, packed tokens with 4-D ids, guidance embedding, flow matching."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.flux2:Flux2Family"
+    name: Literal["flux2"] = "flux2"
+    resolution: int = setting(
+        1024, stage1=True, ge=64, le=8192, description="Images are center-cropped to this square."
+    )
+    max_prompt_length: int = setting(
+        512,
+        stage1=True,
+        ge=1,
+        le=2048,
+        description="Prompt tokens with the chat template and system message (Flux2Pipeline's "
+        "max_sequence_length); embeddings are cached padded to it, as the pipeline passes them.",
+    )
+    weighting_scheme: FlowWeighting = setting(
+        "none",
+        stage1=False,
+        description="Timestep density and loss weighting (diffusers' training_utils names).",
+    )
+    guidance_scale: float = setting(
+        3.5,
+        stage1=False,
+        ge=0.0,
+        description="Guidance the model is told (guidance-distilled), as diffusers' "
+        "train_dreambooth_lora_flux2 --guidance_scale.",
     )

@@ -21,8 +21,11 @@ PIPELINE_FAMILIES = {  # model_index.json _class_name -> the family that trains 
     "StableDiffusionXLPipeline": "sdxl",
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "FluxKontextPipeline": "flux_kontext",
     "QwenImagePipeline": "qwenimage",
     "WanPipeline": "wan",
+    "ZImagePipeline": "zimage",
+    "Flux2Pipeline": "flux2",
 }
 # Config keys that fix what a component exchanges with the others (latent channels, text widths,
 # conditioning): an override must keep the folder's, since the other components stay.

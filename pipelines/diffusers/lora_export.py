@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-FAMILIES = ("sd", "sdxl", "sd3", "flux", "qwenimage")
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "qwenimage", "zimage")
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 
 KOHYA_PREFIX = {
@@ -40,6 +40,8 @@ KOHYA_PREFIX = {
     },
     # musubi-tuner's spelling for Qwen-Image, which diffusers' Qwen LoRA converter reads back
     "qwenimage": {"transformer": "lora_unet"},
+    # musubi-tuner's networks.lora_zimage spelling, which diffusers' Z-Image converter reads
+    "zimage": {"transformer": "lora_unet"},
 }
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -50,6 +52,7 @@ KOHYA_NETWORK_MODULE = {
     "sd3": "networks.lora_sd3",
     "flux": "networks.lora_flux",
     "qwenimage": "networks.lora_qwen_image",
+    "zimage": "networks.lora_zimage",
 }
 KOHYA_BASE_VERSION = {
     "sd": "sd_v1",
@@ -57,6 +60,7 @@ KOHYA_BASE_VERSION = {
     "sd3": "sd3",
     "flux": "flux1",
     "qwenimage": "qwen_image",
+    "zimage": "z_image",
 }
 
 # CLIPTextModel is flattened in transformers 5 (no `text_model.`); files keep the classic spelling

@@ -21,8 +21,11 @@ BUILTIN_FAMILIES = {
     "sdxl": "splitstage.pipelines.diffusers.config:SDXLPipelineConfig",
     "sd3": "splitstage.pipelines.diffusers.config:SD3PipelineConfig",
     "flux": "splitstage.pipelines.diffusers.config:FluxPipelineConfig",
+    "flux_kontext": "splitstage.pipelines.diffusers.config:FluxKontextPipelineConfig",
     "qwenimage": "splitstage.pipelines.diffusers.config:QwenImagePipelineConfig",
     "wan": "splitstage.pipelines.diffusers.config:WanPipelineConfig",
+    "zimage": "splitstage.pipelines.diffusers.config:ZImagePipelineConfig",
+    "flux2": "splitstage.pipelines.diffusers.config:Flux2PipelineConfig",
     "diffsynth": "splitstage.pipelines.diffsynth.config:DiffSynthPipelineConfig",
 }
 _registered: dict[str, Any] = {}

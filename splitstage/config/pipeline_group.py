@@ -23,6 +23,8 @@ class PipelineConfig(Group):
     # Every model the job trains needs a [models.NAME] entry (False: the family finds them,
     # e.g. in a pretrained folder, and [models.NAME] only overrides).
     models_in_config: ClassVar[bool] = True
+    # How a job of this family takes video rows, for messages ("'wan'"); "": images only.
+    video_rows: ClassVar[str] = ""
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -34,6 +36,10 @@ class PipelineConfig(Group):
                     f"{cls.__name__}.{name}: declare it with setting(..., stage1=True|False) so "
                     "the cache key knows whether it changes stage-1 outputs"
                 )
+
+    def takes_video(self) -> bool:
+        """Whether this job's rows may be videos (clips); False: the family trains on images."""
+        return bool(self.video_rows)
 
     def settings(self) -> dict[str, Any]:
         """Every setting the family's units and training step read."""

@@ -3,8 +3,9 @@ metadata file.
 
 The metadata file is `metadata.csv` (header row), `metadata.jsonl` (one JSON object a line) or
 `metadata.parquet`, with an `image` or `video` column (path relative to the base; a header may
-have both, each row filling one) and a `prompt` column; any other column is kept as a
-per-sample field. Bad data raises `DataError` naming the file, the
+have both, each row filling one) and a `prompt` column; an `edit_image` column (alias
+`control_image`: one path or a list) names the row's reference images (`data.references`); any
+other column is kept as a per-sample field. Bad data raises `DataError` naming the file, the
 row as numbered in the file (CSV rows count the header as row 1) and how to fix it. Metadata must
 be UTF-8 (a UTF-8 BOM is fine); bytes that are not, NUL bytes, an empty file, broken CSV quoting
 and repeated columns are file-level errors naming the line; a bad JSONL line (invalid or too
@@ -13,9 +14,10 @@ JSON type) is a row error, so `skip_bad_rows` can skip it (parsers: `data.metada
 Images are found present by ONE listing of the data set (`data.source`), not one stat
 per row, and decode as `splitstage.data.images` documents.
 
-A sample key is a content hash of the file's bytes, the prompt and the extra fields: renaming,
-moving or reordering files keeps keys (so the stage-1 cache stays valid); editing an image or a
-caption changes them. Processing choices such as the image size belong to the cache key instead.
+A sample key is a content hash of the file's bytes (and its reference images'), the prompt and
+the extra fields: renaming, moving or reordering files keeps keys (so the stage-1 cache stays
+valid); editing an image, a reference or a caption changes them. Processing choices such as
+the image size belong to the cache key instead.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,7 +42,11 @@ from splitstage.data.images import (
     open_image,
     to_rgb8,
 )
-from splitstage.data.metadata_files import REQUIRED_COLUMNS, json_kind  # noqa: F401
+from splitstage.data.metadata_files import (  # noqa: F401
+    REFERENCE_COLUMNS,
+    REQUIRED_COLUMNS,
+    json_kind,
+)
 from splitstage.data.source import DataSource, Listing, relative_key, source_for
 from splitstage.data.videos import FIRST_FRAME, is_video, read_clip
 
@@ -50,7 +56,7 @@ MAX_LINE_CHARS = 1 << 20  # a JSONL line longer than this is refused, not parsed
 HASH_BLOCK = 8 << 20  # bytes `file_digest` reads at a time (a long video is hashed in pieces)
 SizeRule = Callable[[int, int], tuple[int, int]]  # source (height, width) -> target (h, w)
 _KEY_PREFIX = SAMPLE_KEY_VERSION.encode() + b"\0"
-_NOT_EXTRAS = frozenset(("image", "video", "prompt"))  # a row's file and caption
+_NOT_EXTRAS = frozenset(("image", "video", "prompt", *REFERENCE_COLUMNS))  # files and caption
 _json_text = json.encoder.encode_basestring  # what json.dumps(str, ensure_ascii=False) gives
 
 
@@ -63,11 +69,22 @@ class Row:
     prompt: str
     extras: dict[str, Any] = field(default_factory=dict)
     source: str = "metadata"  # metadata file name, for messages
+    references: tuple[str, ...] = ()  # reference image paths ('edit_image'), relative to the base
 
     @property
     def where(self) -> str:
         """'metadata.csv row 3', for error messages."""
         return f"{self.source} row {self.line}"
+
+
+def reference_row(row: Row, path: str) -> Row:
+    """The row with reference image `path` as its file: what the readers and hashers take."""
+    return replace(row, image=path, references=())
+
+
+def reference_where(row: Row) -> str:
+    """'metadata.csv row 3 (edit_image)': a row's reference images, for error messages."""
+    return f"{row.where} ({REFERENCE_COLUMNS[0]})"
 
 
 class Skipped(NamedTuple):
@@ -174,8 +191,43 @@ def _to_row(line: int, record: Mapping[str, Any] | DataError, base: str, name: s
                 f"{name} row {line}: text holds an unpaired surrogate escape "
                 f"({exc.object[exc.start]!r}); fix the \\u escape"
             ) from exc
+    references = _references(record, f"{name} row {line}", base)
     extras = {k: v for k, v in record.items() if k not in _NOT_EXTRAS} if len(record) > 2 else {}
-    return Row(line=line, image=image, prompt=prompt, extras=extras, source=name)
+    return Row(line, image, prompt, extras, name, references)
+
+
+def _references(record: Mapping[str, Any], where: str, base: str) -> tuple[str, ...]:
+    """The row's reference image paths ('edit_image' or its alias 'control_image'): none, one
+    path, or a list (in a CSV cell, a JSON list such as ["a.png", "b.png"])."""
+    given = [c for c in REFERENCE_COLUMNS if c in record and not _blank(record[c])]
+    given = [c for c in given if record[c] != []]
+    if not given:
+        return ()
+    if len(given) > 1:
+        raise DataError(
+            f"{where}: both {given[0]!r} and {given[1]!r} are set; both name the reference "
+            "images: keep one"
+        )
+    column, value = given[0], record[given[0]]
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{where}: {column!r} {value[:80]!r} is not a JSON list of paths ({exc.msg}); "
+                'write one path, or a list such as ["a.png", "b.png"]'
+            ) from None
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise DataError(
+            f"{where}: {column!r} must be a path or a list of paths, got {json_kind(value)}"
+        )
+    if any(not p.strip() for p in paths):
+        raise DataError(
+            f"{where}: {column!r} holds an empty path; give each reference image's path "
+            f"relative to {base}"
+        )
+    return tuple(paths)
 
 
 def _file_column(record: Mapping[str, Any], where: str, base: str) -> str:
@@ -245,6 +297,7 @@ def scan_records(
             row = _to_row(line, record, base, name)
             rel = relative_key(row.image)
             check_image_path(row.where, row.image, rel, source.local, base)
+            _check_reference_paths(row, source.local, base)
         except DataError as exc:
             if not skip_bad_rows:
                 first_error = exc
@@ -253,26 +306,34 @@ def scan_records(
             continue
         rows.append(row)
         rels.append(rel)
-    listing = source.listing(set(rels))
+    listing = source.listing(set(rels).union(*(reference_rels(row) for row in rows)))
     good: list[Row] = []
     good_rels: list[str] = []
     absent: list[str] = []
     files = listing.files
     for row, rel in zip(rows, rels, strict=True):
+        missing = rel
         try:
             if rel not in files:
                 missing_image(row.where, row.image, source, listing)
+            for ref, ref_rel in zip(row.references, reference_rels(row), strict=True):
+                missing = ref_rel
+                if ref_rel not in files:
+                    missing_image(reference_where(row), ref, source, listing)
         except DataError as exc:
             if not skip_bad_rows:
                 raise
             skipped.append(Skipped(row.line, str(exc)))
-            absent.append(rel)
+            absent.append(missing)
             continue
         try:
             if check_images and is_video(row.image):
                 read_clip(row, source, FIRST_FRAME)  # opens, seeks and decodes: a first check
             elif check_images:
                 decode_image(read_image_bytes(row, source), row, source)
+            for ref in row.references if check_images else ():
+                ref_row = reference_row(row, ref)
+                decode_image(read_image_bytes(ref_row, source), ref_row, source)
         except DataError as exc:
             if not skip_bad_rows:
                 raise
@@ -286,6 +347,23 @@ def scan_records(
     scan = Scan(rows=good, skipped=skipped, listing=listing, source=source, rels=good_rels)
     scan.absent = absent
     return scan
+
+
+def reference_rels(row: Row) -> list[str]:
+    """The listing keys (`relative_key`) of a row's reference images."""
+    return [relative_key(ref) for ref in row.references]
+
+
+def _check_reference_paths(row: Row, local: bool, base: str) -> None:
+    """DataError for a reference path that cannot name an image file of the data set."""
+    where = reference_where(row)
+    for ref, rel in zip(row.references, reference_rels(row), strict=True):
+        if is_video(ref):
+            raise DataError(
+                f"{where}: {ref[:200]!r} is a video; reference images are images (a still "
+                "frame as .png or .jpg)"
+            )
+        check_image_path(where, ref, rel, local, base)
 
 
 def load_metadata(
@@ -416,10 +494,26 @@ def load_sample(
 
 
 def sample_key_of_digest(
-    image_digest: bytes, prompt: str, extras: Mapping[str, Any] | None = None
+    image_digest: bytes,
+    prompt: str,
+    extras: Mapping[str, Any] | None = None,
+    references: Sequence[bytes] = (),
 ) -> str:
-    """Sample key from the sha256 digest of the image bytes (what the hash memo keeps)."""
-    if extras:
+    """Sample key from the sha256 digest of the image bytes (what the hash memo keeps) and those
+    of the row's reference images, in order (a row without any keys as before they existed)."""
+    if references:
+        fields = json.dumps(
+            {
+                "prompt": prompt,
+                "extras": dict(extras or {}),
+                "references": [digest.hex() for digest in references],
+            },
+            sort_keys=True,
+            ensure_ascii=False,
+            separators=(",", ":"),
+            default=str,
+        )
+    elif extras:
         fields = json.dumps(
             {"prompt": prompt, "extras": dict(extras)},
             sort_keys=True,
@@ -432,14 +526,22 @@ def sample_key_of_digest(
     return hashlib.sha256(_KEY_PREFIX + image_digest + fields.encode("utf-8")).hexdigest()
 
 
-def sample_key(image_bytes: bytes, prompt: str, extras: Mapping[str, Any] | None = None) -> str:
-    """Content hash (sha256 hex) of image bytes, prompt and sorted extra fields; not of paths."""
-    return sample_key_of_digest(hashlib.sha256(image_bytes).digest(), prompt, extras)
+def sample_key(
+    image_bytes: bytes,
+    prompt: str,
+    extras: Mapping[str, Any] | None = None,
+    references: Sequence[bytes] = (),
+) -> str:
+    """Content hash (sha256 hex) of image bytes, prompt, sorted extra fields and reference image
+    bytes; not of paths."""
+    digests = [hashlib.sha256(data).digest() for data in references]
+    return sample_key_of_digest(hashlib.sha256(image_bytes).digest(), prompt, extras, digests)
 
 
 def row_key(row: Row, base_path: str | Path | DataSource) -> str:
-    """Sample key of one row (hashes its file in pieces: `file_digest`)."""
-    return sample_key_of_digest(file_digest(row, base_path), row.prompt, row.extras)
+    """Sample key of one row (hashes its file and its references in pieces: `file_digest`)."""
+    refs = [file_digest(reference_row(row, ref), base_path) for ref in row.references]
+    return sample_key_of_digest(file_digest(row, base_path), row.prompt, row.extras, refs)
 
 
 def sample_keys(rows: Iterable[Row], base_path: str | Path | DataSource) -> list[str]:

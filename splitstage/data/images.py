@@ -21,10 +21,13 @@ Choices (the same for every file, so a sample's pixels depend only on its bytes)
   half-transparent edges blend as they look on a white page.
 - EXIF orientation is applied (`ImageOps.exif_transpose`): a photo stored rotated with an
   Orientation tag is trained upright, as viewers show it.
-- multi-frame files (animated GIF/PNG/WebP, multi-page TIFF): the first frame only.
+- multi-frame files (animated GIF/PNG/WebP, multi-page TIFF): the first frame only (video
+  families read animated GIF/PNG/WebP as clips instead: `splitstage.data.clips`).
 - CMYK is converted with Pillow's formula (Adobe-inverted JPEGs are handled by the decoder); ICC
   profiles are not applied: pixel values are taken as sRGB.
 - EPS files are not opened (Pillow would run Ghostscript on them): "unknown image format".
+- a file Pillow does not open in which PyAV finds a video stream is named as a video (its
+  container), whatever its suffix, not as a corrupt image.
 - refused, naming the row, the file and the fix: LAB (Pillow's LAB->RGB is wrong), modes Pillow
   cannot convert, zero width or height, and decompression bombs: a header claiming more than
   `PIL.Image.MAX_IMAGE_PIXELS` pixels is refused before decoding (Pillow warns between 1x and
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from splitstage.data.media_kind import video_container
 from splitstage.splitter import UserError
 
 if TYPE_CHECKING:
@@ -55,6 +59,7 @@ DECODE_VERSION = "splitstage-decode-v3"  # bump when the pixels a file decodes t
 MAX_IMAGE_FILE_BYTES = 1 << 30  # 1 GiB: far above any image within the pixel limit
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 REEXPORT = "re-export it as an 8- or 16-bit PNG"
+NOT_IMAGE = "give an image here, or train clips with a family that takes video (docs/video.md)"
 
 log = logging.getLogger(__name__)
 _OPEN_LOCK = threading.Lock()  # warnings.catch_warnings is process-wide: one decode at a time
@@ -74,9 +79,11 @@ def _exif(where: str, path: Path | str, reason: object) -> DataError:
     return _refuse(where, path, what + "EXIF or remove the row")
 
 
-def _corrupt(where: str, path: Path | str, exc: BaseException) -> DataError:
+def _corrupt(where: str, path: Path | str, exc: BaseException, data: bytes = b"") -> DataError:
     reason = (str(exc) or type(exc).__name__).strip()
     if isinstance(exc, UnidentifiedImageError):
+        if container := video_container(data):  # by content, whatever the file's name
+            return _refuse(where, path, f"is a video ({container}), not an image; {NOT_IMAGE}")
         reason = "unknown image format"
     if "EXIF" in reason:
         return _exif(where, path, reason)
@@ -123,7 +130,7 @@ def open_image(data: bytes, where: str, path: Path | str) -> Image.Image:
             found = re.search(r"\((\d+) pixels\)", str(exc))  # Pillow's message has the count
             raise _bomb(where, path, int(found.group(1)) if found else None, limit or 0) from exc
         except Exception as exc:  # Pillow's plugins raise many types on malformed files
-            raise _corrupt(where, path, exc) from exc
+            raise _corrupt(where, path, exc, data) from exc
         try:
             return _decode(img, where, path, limit)
         except DataError:

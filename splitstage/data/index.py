@@ -26,6 +26,8 @@ from splitstage.data.dataset import (
     file_digest,
     locate_metadata,
     read_image_bytes,
+    reference_rels,
+    reference_row,
     sample_key_of_digest,
     scan_data_set,
     scan_records,
@@ -189,6 +191,7 @@ def index_data_set(
     scan = scan_data_set(source, data.metadata_path, skip_bad_rows=data.skip_bad_rows)
     rows = scan.rows if data.limit is None else scan.rows[: data.limit]
     rels = scan.rels[: len(rows)]
+    depends = rels + [ref for row in rows for ref in reference_rels(row)]
     memo = load_memo(*memo_at, source) if memo_at is not None else HashMemo()
     index = DataIndex(rows=[], keys=[], skipped=[(s.line, s.reason) for s in scan.skipped])
     skip = data.skip_bad_rows
@@ -208,7 +211,7 @@ def index_data_set(
             name = scan.metadata[1]
             grows = name.lower().endswith((".csv", ".jsonl"))
             whole = scan.metadata_bytes if grows else b""
-            _save_index(memo_at, source, data, scan, index, rels, len(found), whole)
+            _save_index(memo_at, source, data, scan, index, depends, len(found), whole)
     return index
 
 
@@ -220,15 +223,21 @@ def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str], sh
     todo: list[tuple[Row, str]] = []
     wanted: set[str] = set()
     for row, rel in zip(rows, rels, strict=True):
-        if rel in found or rel in wanted:
-            continue
-        size, version = files[rel]
-        digest = memo.lookup(rel, size, version)
-        if digest is None:
-            wanted.add(rel)
-            todo.append((row, rel))
-        else:
-            found[rel] = digest
+        files_of_row = [(row, rel)]  # its file, then its reference images (read alike)
+        files_of_row += [
+            (reference_row(row, ref), ref_rel)
+            for ref, ref_rel in zip(row.references, reference_rels(row), strict=True)
+        ]
+        for file_row, file_rel in files_of_row:
+            if file_rel in found or file_rel in wanted:
+                continue
+            size, version = files[file_rel]
+            digest = memo.lookup(file_rel, size, version)
+            if digest is None:
+                wanted.add(file_rel)
+                todo.append((file_row, file_rel))
+            else:
+                found[file_rel] = digest
     hits = len(found)
     fresh, bad, failed = _read_digests(source, todo, files, skip, shown)
     found.update(fresh)
@@ -236,9 +245,10 @@ def _key_rows(index, rows, rels, listing, memo, source, skip, seen: set[str], sh
     index.skipped += bad
     for row, rel in zip(rows, rels, strict=True):
         digest = found.get(rel)
-        if digest is None:  # its image could not be read (skip_bad_rows)
+        refs = [found.get(ref_rel) for ref_rel in reference_rels(row)]
+        if digest is None or None in refs:  # a file could not be read (skip_bad_rows)
             continue
-        key = sample_key_of_digest(digest, row.prompt, row.extras)
+        key = sample_key_of_digest(digest, row.prompt, row.extras, refs)
         if key in seen:
             index.duplicates += 1
             continue
@@ -325,6 +335,7 @@ def _grown(memo_at, source, data, got, metadata, shown: Shown | None) -> DataInd
     scan.metadata, scan.metadata_bytes = metadata, whole
     scan.absent = index_memo.absent_of(got) + scan.absent
     depends = index_memo.files_of(got) + scan.rels
+    depends += [ref for row in scan.rows for ref in reference_rels(row)]
     _save_index(memo_at, source, data, scan, index, depends, len(found) + old.hits, whole, listing)
     return index
 

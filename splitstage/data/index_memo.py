@@ -41,7 +41,7 @@ from splitstage.data.dataset import Row
 from splitstage.data.file_stats import FileCheck
 from splitstage.data.hash_memo import SUFFIX as HASH_MEMO_SUFFIX
 from splitstage.data.hash_memo import TRUST_MARGIN_NS, stop_if_cache_unusable
-from splitstage.data.row_table import RowTable, extras_text
+from splitstage.data.row_table import RowTable, extras_text, references_text
 from splitstage.data.source import DataSource, Listing
 from splitstage.storage.parquet_columns import ColumnFile, write_columns
 
@@ -118,6 +118,8 @@ def encode(
         "extras": None if None in extras else _join(extras),
         "absent": _join(list(absent)),
     }
+    if any(row.references for row in result.rows):  # absent: no row has reference images
+        text["references"] = _join([references_text(row.references) for row in result.rows])
     if listing.by_mtime:
         versions = {"mtimes": np.fromiter((s[1] for s in stats), np.int64, len(stats))}
     else:
@@ -294,7 +296,8 @@ def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> Index
     if digests.shape != (count, 32) or len(tensors["lines"]) != count:
         raise ValueError(f"its row columns disagree with its count {count}")
     keys = digests.tobytes().hex(" ", 32).split(" ") if count else []
-    for name in ("images", "prompts", "extras"):  # split on first use; counted now
+    named = ("images", "prompts", "extras", *(("references",) if "references" in tensors else ()))
+    for name in named:  # split on first use; counted now
         if count and int(np.count_nonzero(tensors[name] == 0)) != count - 1:
             raise ValueError(f"its {name} column disagrees with its count {count}")
     rows = RowTable(
@@ -303,6 +306,7 @@ def restore(meta: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> Index
         tensors["prompts"].tobytes(),
         tensors["extras"].tobytes(),
         meta["source"],
+        tensors["references"].tobytes() if "references" in tensors else None,
     )
     skipped = [
         (int(line), str(reason)) for line, reason in json.loads(tensors["skipped"].tobytes())

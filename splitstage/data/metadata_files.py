@@ -20,6 +20,9 @@ from splitstage.data.images import DataError
 
 REQUIRED_COLUMNS = ("image", "prompt")
 FILE_COLUMNS = ("image", "video")  # a row names its file in one of these (DiffSynth's video rows)
+# A row's reference images (edit / kontext / image-to-video inputs): DiffSynth's 'edit_image', or
+# the alias 'control_image' (ai-toolkit's and musubi-tuner's "control" images); a path or a list.
+REFERENCE_COLUMNS = ("edit_image", "control_image")
 METADATA_SUFFIXES = (".csv", ".jsonl", ".parquet")
 Records = Iterator[tuple[int, "dict[str, Any] | DataError"]]
 
@@ -192,6 +195,15 @@ def parquet_records(data: bytes, name: str, url: str) -> Records:
             f"{name}: column(s) {', '.join(map(repr, repeated))} appear more than once; "
             "rename or remove the copies"
         )
+    for column in (c for c in REFERENCE_COLUMNS if c in columns):
+        kind = table.schema.field(column).type
+        listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+        inner = kind.value_type if listed else kind
+        if not (pa.types.is_string(inner) or pa.types.is_large_string(inner) or inner == pa.null()):
+            raise DataError(
+                f"{name}: column {column!r} is {kind}, not strings; store each reference image "
+                "path (relative to the base folder) as a string, or a list of strings"
+            )
     for column in (c for c in (*FILE_COLUMNS, "prompt") if c in columns):
         kind = table.schema.field(column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or kind == pa.null()):

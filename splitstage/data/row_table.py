@@ -17,14 +17,32 @@ _SEP = "\0"
 
 
 class RowTable(Sequence[Row]):
-    """Rows as columns: line numbers, and image paths, prompts and extra fields (JSON text or
-    '') as NUL-joined UTF-8, split on first use."""
+    """Rows as columns: line numbers, and image paths, prompts, extra fields (JSON text or '')
+    and reference image paths (a JSON list or ''; absent: none) as NUL-joined UTF-8, split on
+    first use."""
 
     def __init__(
-        self, lines: np.ndarray, images: bytes, prompts: bytes, extras: bytes, source: str
+        self,
+        lines: np.ndarray,
+        images: bytes,
+        prompts: bytes,
+        extras: bytes,
+        source: str,
+        references: bytes | None = None,
     ) -> None:
         self.lines, self.source = lines, source
         self._joined = (images, prompts, extras)
+        self._references = references
+
+    @cached_property
+    def _refs(self) -> list[str] | None:
+        count = len(self.lines)
+        if self._references is None:
+            return None
+        column = self._references.decode("utf-8").split(_SEP) if count else []
+        if len(column) != count:
+            raise ValueError(f"row columns of different lengths (expected {count})")
+        return column
 
     @cached_property
     def _text(self) -> tuple[list[str], list[str], list[str]]:
@@ -36,9 +54,13 @@ class RowTable(Sequence[Row]):
             raise ValueError(f"row columns of different lengths (expected {count})")
         return columns  # type: ignore[return-value]
 
+    def has_references(self) -> bool:
+        """Whether the table holds a reference image column (rows restored without one: none)."""
+        return self._references is not None
+
     def check(self) -> None:
         """Split the text columns now: ValueError when they disagree with the line numbers."""
-        _ = self._text
+        _ = self._text, self._refs
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -67,24 +89,43 @@ class RowTable(Sequence[Row]):
         if any(row.source != self.source for row in rows):
             return None
         extras = [extras_text(row.extras) for row in rows]
-        texts = ([r.image for r in rows], [r.prompt for r in rows], extras)
+        refs = [references_text(row.references) for row in rows]
+        texts = ([r.image for r in rows], [r.prompt for r in rows], extras, refs)
         if None in extras or any(_SEP in t for column in texts for t in column):
             return None
         count = len(self.lines)
+        old_refs = self._references
+        if old_refs is None:
+            old_refs = _SEP.encode() * (count - 1) if count else b""
         joined = tuple(
             (old + _SEP.encode() if count else b"") + _SEP.join(column).encode("utf-8")
-            for old, column in zip(self._joined, texts, strict=True)
+            for old, column in zip((*self._joined, old_refs), texts, strict=True)
         )
         lines = np.concatenate([self.lines, np.array([r.line for r in rows], np.int64)])
-        return RowTable(lines, *joined, self.source)
+        return RowTable(lines, *joined[:3], self.source, joined[3])
 
     def __getstate__(self) -> dict[str, Any]:  # to worker processes: the joined bytes only
-        return {"lines": self.lines, "source": self.source, "_joined": self._joined}
+        return {
+            "lines": self.lines,
+            "source": self.source,
+            "_joined": self._joined,
+            "_references": self._references,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"_references": None, **state})
 
     def _row(self, i: int) -> Row:
         images, prompts, extras = self._text
         fields: dict[str, Any] = json.loads(extras[i]) if extras[i] else {}
-        return Row(int(self.lines[i]), images[i], prompts[i], fields, self.source)
+        refs = self._refs
+        references = tuple(json.loads(refs[i])) if refs is not None and refs[i] else ()
+        return Row(int(self.lines[i]), images[i], prompts[i], fields, self.source, references)
+
+
+def references_text(references: Sequence[str]) -> str:
+    """Reference image paths as JSON text ('' for none)."""
+    return json.dumps(list(references), ensure_ascii=False) if references else ""
 
 
 def extras_text(extras: Mapping[str, Any]) -> str | None:

@@ -6,8 +6,16 @@ Choices (the same for every file, so a clip depends only on the file's bytes and
 
 - frames are chosen by timestamp: target times are start + i * stride / fps of the stream
   ('first' with frame_stride), start + i / fps ('first' with fps) or num_frames spread evenly over
-  the stream's duration ('uniform'); each target takes the frame shown at that time (the last
-  frame whose timestamp is not after it). Variable-frame-rate files are therefore sampled by time.
+  the stream's duration ('uniform'); each target takes the frame shown at that time: the last
+  frame whose own presentation time (pts * time_base) is not after it (to half a tick of a
+  fine time base, to which a muxer rounds timestamps: `_tolerance`). Variable-frame-rate files
+  are therefore sampled by time, never by an assumed constant rate.
+- a file is a video by its suffix (VIDEO_SUFFIXES) or, whatever its name, by what PyAV finds in
+  it (`clips.py`); a still picture that FFmpeg would read as a one-frame video (a PNG named
+  .mp4) is refused as an image.
+- animated images (GIF, APNG, animated WebP) in a video family are clips: Pillow decodes their
+  frames, each shown for its own duration (a GIF delay of 10 ms or less plays as 100 ms, as in
+  browsers), and frames are chosen by time as for videos.
 - targets further apart than SEEK_GAP_SECONDS are reached by a new seek to the keyframe before
   them; between targets frames are decoded and dropped, never kept. A file whose keyframes are
   so sparse that a clip needs more than MAX_EXTRA_DECODED extra decoded frames is refused.
@@ -22,7 +30,9 @@ Choices (the same for every file, so a clip depends only on the file's bytes and
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import io
 import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -31,16 +41,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
-from splitstage.data.images import DataError, center_crop_resize, image_to_tensor
+from splitstage.data.images import (
+    DataError,
+    center_crop_resize,
+    image_to_tensor,
+    normalize,
+    to_rgb8,
+)
+from splitstage.data.media_kind import still_image_format
 from splitstage.data.source import DataSource, relative_key, source_for
 
 if TYPE_CHECKING:
     import torch
 
-VIDEO_DECODE_VERSION = "splitstage-video-v1"  # bump when the frames a file decodes to change
-VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts")
+VIDEO_DECODE_VERSION = "splitstage-video-v2"  # bump when the frames a file decodes to change
+VIDEO_SUFFIXES = (
+    *(".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts", ".3gp", ".3g2"),
+    *(".flv", ".f4v", ".wmv", ".asf", ".ogv", ".m2ts", ".mts", ".vob"),
+)
+SHORTEST_DELAY = 0.01  # s: GIF delays up to this play as DEFAULT_DELAY (as browsers do)
+DEFAULT_DELAY = 0.1
 READ_BLOCK = 1 << 20  # object stores: bytes a block fetches (an LRU of blocks: none read twice)
 SEEK_GAP_SECONDS = 2.0  # targets further apart are reached by seeking, not by decoding through
 MAX_EXTRA_DECODED = 10_000  # decoded-and-dropped frames one clip may cost (sparse keyframes)
@@ -183,7 +205,7 @@ def _targets(stream: Any, container: Any, settings: FrameSettings, where: str, s
     base = stream.time_base or Fraction(1, 1)
     start = float(stream.start_time * base) if stream.start_time is not None else 0.0
     header_frames = stream.frames or None
-    count = settings.num_frames
+    duration = None
     if settings.start == "uniform":
         if stream.duration:
             duration = float(stream.duration * base)
@@ -196,11 +218,30 @@ def _targets(stream: Any, container: Any, settings: FrameSettings, where: str, s
                 f"has no duration in its header, so 'uniform' cannot spread "
                 f"frames over it; use data.video.start = 'first' or {REENCODE}",
             )
-        total = header_frames or max(1, round(duration * fps))
+    times = _target_times(start, fps, duration, header_frames, settings)
+    return times, start, fps, header_frames
+
+
+def _target_times(
+    start: float, fps: float, duration: float | None, frames: int | None, settings: FrameSettings
+) -> list[float]:
+    """The clip's target times in seconds: from `start` at a stride or `settings.fps`, or
+    (`uniform`) num_frames spread over the `duration` (or the `frames` count when known)."""
+    count = settings.num_frames
+    if settings.start == "uniform":
+        total = frames or max(1, round((duration or 0.0) * fps))
         spread = (total - 1) / (count - 1) if count > 1 and total > count else 1.0
-        return [start + round(i * spread) / fps for i in range(count)], start, fps, header_frames
+        return [start + round(i * spread) / fps for i in range(count)]
     step = 1.0 / settings.fps if settings.fps else (settings.frame_stride or 1) / fps
-    return [start + i * step for i in range(count)], start, fps, header_frames
+    return [start + i * step for i in range(count)]
+
+
+def _tolerance(stream: Any, fps: float) -> float:
+    """How far after a target a frame's timestamp may lie and still count as shown at it: half
+    a tick where ticks are fine (a muxer rounds to them: 1 ms in mkv), none beyond float error
+    where a tick is a frame or more (AVI counts frames: nothing was rounded)."""
+    tick = float(stream.time_base or 0)
+    return tick / 2 if 0 < tick <= 0.25 / fps else 1e-6
 
 
 def _groups(times: list[float]) -> list[tuple[int, int]]:
@@ -236,6 +277,13 @@ def decode_clip(file: Any, where: str, shown: str, settings: FrameSettings) -> C
     av = _av()
     try:
         with av.open(file, mode="r") as container:
+            if picture := still_image_format(container):
+                raise _refuse(
+                    where,
+                    shown,
+                    f"is a {picture} image, not a video; give it its image suffix "
+                    f"(.{picture.lower()}: an image row, one frame) or give the video file",
+                )
             streams = container.streams.video
             if not streams:
                 raise _refuse(where, shown, f"has no video stream; {REENCODE}")
@@ -263,7 +311,7 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
             f"is {width}x{height} pixels, over Pillow's {limit:,}-pixel "
             "limit; downscale it or remove the row",
         )
-    tol = 0.25 / fps
+    tol = _tolerance(stream, fps)
     picked: list[Image.Image | None] = [None] * len(times)
     decoded, rotation = 0, None
     groups = _groups(times)
@@ -317,29 +365,109 @@ def _decode(container: Any, stream: Any, where: str, shown: str, settings: Frame
                 break
     frames = [image for image in picked if image is not None]
     frames = frames[: next((i for i, im in enumerate(picked) if im is None), len(picked))]
+    found = (frames, len(times), header_frames, decoded, fps, rotation or 0)
+    return _finish(*found, settings, lambda what: _refuse(where, shown, what))
+
+
+def decode_animation(data: bytes, where: str, shown: str, settings: FrameSettings) -> Clip:
+    """The frames `settings` selects from an animated image (GIF, APNG, WebP), by time: each
+    frame is shown for its own duration, and each target takes the frame shown then."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            limit = Image.MAX_IMAGE_PIXELS
+            if limit and img.width * img.height > limit:
+                raise _refuse_image(
+                    where,
+                    shown,
+                    f"is {img.width}x{img.height} pixels, over Pillow's {limit:,}-pixel limit; "
+                    "downscale it or remove the row",
+                )
+            starts, end = _frame_starts(img)
+            fps = len(starts) / end
+            times = _target_times(0.0, fps, end, len(starts), settings)
+            chosen = [_shown_at(starts, end, t) for t in times]
+            kept = [i for i in chosen if i is not None]
+            frames = _animation_frames(img, sorted(set(kept)), where, shown)
+    except DataError:
+        raise
+    except Exception as exc:  # Pillow's plugins raise many types on malformed files
+        reason = (str(exc) or type(exc).__name__).strip()
+        raise _refuse_image(
+            where, shown, f"is a corrupt animated image ({reason}); re-export it or remove the row"
+        ) from exc
+    picked = [frames[i] for i in kept]
+    found = (picked, len(times), None, len(frames), fps, 0)
+    return _finish(*found, settings, lambda what: _refuse_image(where, shown, what))
+
+
+def _refuse_image(where: str, shown: str, what: str) -> DataError:
+    return DataError(f"{where}: animated image file {shown} {what}")
+
+
+def _frame_starts(img: Image.Image) -> tuple[list[float], float]:
+    """(each frame's start time, the animation's length) in seconds, from frame durations."""
+    starts, now = [], 0.0
+    for index in range(img.n_frames):
+        img.seek(index)
+        img.load()  # WebP gives a frame's duration once it is loaded
+        delay = (img.info.get("duration") or 0) / 1000
+        starts.append(now)
+        now += DEFAULT_DELAY if delay <= SHORTEST_DELAY else delay
+    return starts, now
+
+
+def _shown_at(starts: list[float], end: float, time: float) -> int | None:
+    """The frame shown at `time`: the last whose start is not after it; None past the end."""
+    if time >= end - 1e-9:
+        return None
+    return max(bisect.bisect_right(starts, time + 1e-9) - 1, 0)
+
+
+def _animation_frames(
+    img: Image.Image, wanted: list[int], where: str, shown: str
+) -> dict[int, Image.Image]:
+    """The `wanted` frames as upright 8-bit RGB images (transparency onto white, as images)."""
+    out = {}
+    for index in wanted:
+        img.seek(index)
+        frame = ImageOps.exif_transpose(img.copy())
+        out[index] = to_rgb8(normalize(frame, where, shown))
+    return out
+
+
+def _finish(
+    frames: list[Image.Image],
+    wanted: int,
+    available: int | None,
+    decoded: int,
+    fps: float,
+    rotation: int,
+    settings: FrameSettings,
+    refuse: Callable[[str], DataError],
+) -> Clip:
+    """A clip of the `frames` found for `wanted` targets: refused, shortened or padded when
+    short, by `settings.short_clips` (`available`: the frames the file's header says it has)."""
     if not frames:
-        raise _refuse(where, shown, NO_FRAMES)
-    padded = len(times) - len(frames)
+        raise refuse(NO_FRAMES)
+    padded = wanted - len(frames)
     if padded and settings.short_clips == "shorten":
         kept = shortened_length(len(frames))
         return Clip(
             frames=frames[:kept],
             decoded=decoded,
             fps=fps,
-            rotation=rotation or 0,
-            shortened=len(times) - kept,
+            rotation=rotation,
+            shortened=wanted - kept,
         )
     if padded and settings.short_clips != "repeat_last":
-        said = f"; its header says {header_frames} (truncated?)" if header_frames else ""
-        raise _refuse(
-            where,
-            shown,
-            f"gives {len(frames)} of the {len(times)} frames a clip needs{said}; lower "
+        said = f"; its header says {available} (truncated?)" if available else ""
+        raise refuse(
+            f"gives {len(frames)} of the {wanted} frames a clip needs{said}; lower "
             "data.video.num_frames or frame_stride, set data.video.short_clips = "
             "'shorten' or 'repeat_last', or remove the row",
         )
-    frames += [frames[-1]] * padded
-    return Clip(frames=frames, decoded=decoded, fps=fps, rotation=rotation or 0, padded=padded)
+    frames = frames + [frames[-1]] * padded
+    return Clip(frames=frames, decoded=decoded, fps=fps, rotation=rotation, padded=padded)
 
 
 def shortened_length(available: int) -> int:
@@ -356,13 +484,15 @@ def read_clip(
 
         settings = VideoConfig()
     source = source_for(base_path)
-    shown = (
-        source.display(relative_key(row.image))
-        if not source.local
-        else str(Path(source.local_root) / row.image)
-    )
     with open_video(row.image, source, row.where) as file:
-        return decode_clip(file, row.where, shown, settings)
+        return decode_clip(file, row.where, shown_path(row.image, source), settings)
+
+
+def shown_path(rel: str, source: DataSource) -> str:
+    """A row's file as messages name it: the path on disk, or the URL on a store."""
+    if source.local:
+        return str(Path(source.local_root) / rel)
+    return source.display(relative_key(rel))
 
 
 def clip_to_tensor(
@@ -397,7 +527,14 @@ def load_video_sample(
 ) -> dict[str, Any]:
     """One video sample as `load_sample` gives an image one: the row's extra fields, then video
     [frames, 3, H, W] in [-1, 1], prompt, height, width, num_frames and source_size [h, w]."""
-    clip = read_clip(row, base_path, settings)
+    return clip_sample(row, read_clip(row, base_path, settings), size)
+
+
+def clip_sample(
+    row: Any, clip: Clip, size: int | tuple[int, int] | SizeRule = 64
+) -> dict[str, Any]:
+    """A decoded clip as a sample: the row's extra fields, then video [frames, 3, H, W] in
+    [-1, 1], prompt, height, width, num_frames and source_size [h, w]."""
     video = clip_to_tensor(clip.frames, size)
     first = clip.frames[0]
     return {

@@ -5,8 +5,8 @@ A worker that cannot decode a row's image under `skip_bad_rows` records it besid
 decoding it again: the coordinator's all-cached check (a rerun with nothing new starts no worker
 and loads no model), the workers, and the manifest of a run whose shards ran on other machines.
 A sample key hashes the image bytes (a fixed file is a new key), and a record counts only under
-the same decoder (splitstage's decode version and Pillow's): after an upgrade those rows are
-tried again, and `preprocess --verify` tries them all again.
+the same decoder (splitstage's image and video decode versions and Pillow's): after an upgrade
+those rows are tried again, and `preprocess --verify` tries them all again.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from splitstage.data.dataset import DataError, Row
 from splitstage.data.images import DECODE_VERSION
 from splitstage.data.index import DataIndex
 from splitstage.data.source import DataSource
+from splitstage.data.videos import VIDEO_DECODE_VERSION
 from splitstage.tasks.cache.store import CacheStore
 
 FOLDER = "undecodable"
 IMAGE = "{image}"  # stands for the image's path or URL in a recorded reason
-DECODER = f"{DECODE_VERSION}+pillow-{PIL.__version__}"
+REFERENCE = "{reference%d}"  # stands for the row's i-th reference image's path or URL
+DECODER = f"{DECODE_VERSION}+{VIDEO_DECODE_VERSION}+pillow-{PIL.__version__}"
 
 
 def record(
@@ -35,6 +37,8 @@ def record(
     reason = str(error)
     if row is not None:
         reason = reason.removeprefix(f"{row.where}: ").replace(source.display(row.image), IMAGE)
+        for i, ref in enumerate(row.references):
+            reason = reason.replace(source.display(ref), REFERENCE % i)
     store.write_record(FOLDER, key, {"reason": reason, "decoder": DECODER})
     return reason
 
@@ -71,6 +75,9 @@ def skipped_rows(data: DataIndex, reasons: dict[str, str]) -> list[tuple[int, st
     out = []
     for i, key in found:
         row = data.rows[i]
-        where = data.source.display(row.image) if data.source is not None else row.image
-        out.append((row.line, f"{row.where}: {reasons[key].replace(IMAGE, where)}"))
+        shown = data.source.display if data.source is not None else str
+        reason = reasons[key].replace(IMAGE, shown(row.image))
+        for i, ref in enumerate(row.references):
+            reason = reason.replace(REFERENCE % i, shown(ref))
+        out.append((row.line, f"{row.where}: {reason}"))
     return out

@@ -1,5 +1,5 @@
 """Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image, Wan 2.1, Wan
-2.2 A14B's two experts) in Hub layout.
+2.2 A14B's two experts, Z-Image, FLUX.2) in Hub layout.
 
 `write_tiny_folder(kind, folder)` saves what `XPipeline.save_pretrained(folder)` writes for a real
 checkpoint of that family (model_index.json, one subfolder per component, tokenizers, scheduler
@@ -20,7 +20,9 @@ from typing import Any
 KINDS = ("sd", "sd2", "sdxl", "sd3", "flux")  # the CLIP / T5 kinds
 QWEN_KINDS = ("qwenimage",)  # Qwen2.5-VL prompts, a video VAE
 VIDEO_KINDS = ("wan", "wan22")  # UMT5 prompts, a causal 3D VAE, video transformer(s)
-ALL_KINDS = (*KINDS, *QWEN_KINDS, *VIDEO_KINDS)
+CHAT_KINDS = ("zimage", "flux2")  # chat-templated decoder-only text encoders (Qwen3, Mistral 3)
+EDIT_KINDS = ("flux_kontext",)  # FLUX's parts behind an editing pipeline (a reference image)
+ALL_KINDS = (*KINDS, *QWEN_KINDS, *VIDEO_KINDS, *CHAT_KINDS, *EDIT_KINDS)
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 512
@@ -92,6 +94,65 @@ def qwen_tokenizer() -> Any:
                     merges.append((piece[: end - 1], piece[end - 1]))
     vocab |= {special: len(vocab) + i for i, special in enumerate(QWEN_SPECIALS)}
     return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=list(QWEN_SPECIALS[1:]))
+
+
+# The generation prompt of Qwen3's chat template, as ZImagePipeline applies it (enable_thinking):
+# the user turn, then the assistant's turn opened (an empty think block when thinking is off).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def qwen3_tokenizer() -> Any:
+    """A byte-level Qwen2Tokenizer (Qwen3's class) with Qwen3's chat-template generation prompt:
+    every byte one token, plus the chat specials."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {symbol: i for i, symbol in enumerate(_byte_symbols())}
+    vocab |= {special: len(vocab) + i for i, special in enumerate(QWEN_SPECIALS)}
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        extra_special_tokens=list(QWEN_SPECIALS[1:]),
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    )
+
+
+# Mistral 3's template for text-only turns as Flux2Pipeline sends them (content as a list of
+# {"type": "text"} parts): BOS, the system prompt, each user turn in [INST] ... [/INST].
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- set text = message.content[0].text if message.content is not string "
+    "else message.content %}"
+    "{%- if message.role == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message.role == 'user' %}{{- '[INST]' + text + '[/INST]' }}{%- endif %}"
+    "{%- endfor %}"
+)
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+MISTRAL_MARKS = ("[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+
+
+def mistral_tokenizer() -> Any:
+    """A byte-level tokenizer standing in for FLUX.2's Mistral 3 one (<unk> 0, <s> 1, </s> 2,
+    <pad> 3, the chat marks, then every byte) with its text-only chat template."""
+    from transformers import Qwen2Tokenizer
+
+    tokens = [*MISTRAL_SPECIALS, *MISTRAL_MARKS, *_byte_symbols()]
+    return Qwen2Tokenizer(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[],
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens=list(MISTRAL_MARKS),
+        chat_template=MISTRAL_CHAT_TEMPLATE,
+    )
 
 
 def _qwen_template() -> str:
@@ -189,6 +250,66 @@ def _qwen_vl(vocab_size: int, hidden: int = 32) -> Any:
     }
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen3(vocab_size: int, hidden: int = 32) -> Any:
+    """A 3-layer Qwen3Model (Z-Image's text encoder; the pipeline reads hidden_states[-2])."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        pad_token_id=vocab_size - 3,
+        eos_token_id=vocab_size - 1,
+    )
+    return Qwen3Model(config)
+
+
+def _mistral3(vocab_size: int, hidden: int = 16) -> Any:
+    """A Mistral3ForConditionalGeneration (1-layer Pixtral tower) with 30 text layers, as
+    Flux2Pipeline reads hidden states 10, 20 and 30 by default."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = {
+        "model_type": "mistral",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "max_position_embeddings": 1024,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 30,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+    }
+    vision = {
+        "model_type": "pixtral",
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 32,
+        "image_size": 30,
+        "patch_size": 6,
+        "num_channels": 3,
+    }
+    config = Mistral3Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=0,
+        vision_feature_layer=-1,
+        spatial_merge_size=1,
+    )
+    return Mistral3ForConditionalGeneration(config)
 
 
 # ---------------------------------------------------------------- VAE, denoisers, schedulers
@@ -333,6 +454,80 @@ def _qwen_flow_match() -> Any:
         max_image_seq_len=8192,
         shift_terminal=0.02,
         time_shift_type="exponential",
+    )
+
+
+def _zimage_transformer(cap_dim: int) -> Any:
+    """A ZImageTransformer2DModel: 2 main + 1 refiner layers, 2 heads of 24 (RoPE 8+8+8, its MLP
+    128 wide: both split over 2 tensor-parallel ranks), on 16-channel latents in 2x2 patches;
+    its pad tokens (left uninitialised by the class) set."""
+    import torch
+    from diffusers import ZImageTransformer2DModel
+
+    model = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=16,
+        dim=48,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=cap_dim,
+        axes_dims=[8, 8, 8],
+        axes_lens=[1024, 32, 32],  # caption positions: up to 512 tokens, as the real model
+    )
+    with torch.no_grad():
+        model.x_pad_token.normal_()
+        model.cap_pad_token.normal_()
+    return model
+
+
+def _zimage_flow_match() -> Any:
+    """Z-Image's scheduler config: FlowMatchEuler, static shift 3 (the pipeline passes mu,
+    unused without dynamic shifting)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False
+    )
+
+
+def _flux2_vae() -> Any:
+    """A 4-block AutoencoderKLFlux2 (x8, 4 latent channels: 16 after 2x2 patching) whose
+    batch-norm statistics are not 0 / 1, so the normalisation is exercised."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * SD_VAE_BLOCKS,
+        up_block_types=("UpDecoderBlock2D",) * SD_VAE_BLOCKS,
+        block_out_channels=(16, 16, 32, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.5, 0.5, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    return vae
+
+
+def _flux2_transformer(joint_dim: int) -> Any:
+    """A FLUX.2-dev-like transformer: 2 double + 2 single blocks, guidance embedding, on the
+    VAE's 2x2-patched 16 channels (RoPE 4 x 4 over t, h, w, l)."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=joint_dim,
+        axes_dims_rope=(4, 4, 4, 4),
     )
 
 
@@ -484,6 +679,12 @@ def _flux_parts() -> tuple[str, Builders, dict[str, Any]]:
     return "FluxPipeline", builders, {"image_encoder": None, "feature_extractor": None}
 
 
+def _flux_kontext_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """FluxKontextPipeline parts: FLUX.1's (Kontext [dev] has FLUX.1-dev's component classes)."""
+    _, builders, extra = _flux_parts()
+    return "FluxKontextPipeline", builders, extra
+
+
 def _qwenimage_parts() -> tuple[str, Builders, dict[str, Any]]:
     """QwenImagePipeline parts: Qwen2.5-VL (32) feeds the MMDiT; a Wan-style video VAE."""
     vocab = len(qwen_tokenizer())
@@ -507,6 +708,33 @@ def _wan_parts() -> tuple[str, Builders, dict[str, Any]]:
         "scheduler": _wan_unipc,
     }
     return "WanPipeline", builders, {}
+
+
+def _zimage_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """ZImagePipeline parts: Qwen3 (32) feeds the single-stream DiT; FLUX's VAE layout."""
+    vocab = len(qwen3_tokenizer())
+    builders: Builders = {
+        "transformer": lambda: _zimage_transformer(cap_dim=32),
+        "vae": lambda: _vae(16, 0.3611, shift=0.1159),
+        "text_encoder": lambda: _qwen3(vocab),
+        "tokenizer": qwen3_tokenizer,
+        "scheduler": _zimage_flow_match,
+    }
+    return "ZImagePipeline", builders, {}
+
+
+def _flux2_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """Flux2Pipeline parts: Mistral 3 (16 wide, three layers stacked: 48) feeds the transformer;
+    a batch-norm-normalised VAE; FLUX.1-dev's flow-matching scheduler config."""
+    vocab = len(mistral_tokenizer())
+    builders: Builders = {
+        "transformer": lambda: _flux2_transformer(joint_dim=3 * 16),
+        "vae": _flux2_vae,
+        "text_encoder": lambda: _mistral3(vocab),
+        "tokenizer": mistral_tokenizer,
+        "scheduler": lambda: _flow_match(dynamic=True),
+    }
+    return "Flux2Pipeline", builders, {}
 
 
 def _other_expert(model: Any) -> Any:
@@ -534,9 +762,12 @@ PARTS = {
     "sdxl": _sdxl_parts,
     "sd3": _sd3_parts,
     "flux": _flux_parts,
+    "flux_kontext": _flux_kontext_parts,
     "qwenimage": _qwenimage_parts,
     "wan": _wan_parts,
     "wan22": _wan22_parts,
+    "zimage": _zimage_parts,
+    "flux2": _flux2_parts,
 }
 
 

@@ -72,6 +72,21 @@ def float_out_of_range(data: Path, lines: list[str]) -> None:
     (data / "metadata.csv").write_text("\n".join(lines) + "\n")
 
 
+def video_row_for_images(data: Path, lines: list[str]) -> None:
+    from tests.helpers.video_files import write_video
+
+    write_video(data / "clips" / "a.mp4", 3)
+    lines[2] = "clips/a.mp4," + lines[2].split(",", 1)[1]
+    (data / "metadata.csv").write_text("\n".join(lines) + "\n")
+
+
+def video_named_as_image(data: Path, lines: list[str]) -> None:
+    from tests.helpers.video_files import write_video
+
+    flv = write_video(data / "clip.flv", 3, codec="flv")
+    shutil.move(flv, data / first_image(lines))
+
+
 CASES = {
     "decompression bomb": (
         bomb,
@@ -79,6 +94,14 @@ CASES = {
     ),
     "metadata not UTF-8": (latin1_metadata, ["metadata.csv line 8", "not UTF-8", "byte 0xe9"]),
     "deeply nested JSONL": (nested_jsonl, ["metadata.jsonl row 2", "nested too deeply"]),
+    "video rows for an image family": (
+        video_row_for_images,
+        ["metadata.csv row 3 (clips/a.mp4): video files, but the 'demo' family trains on images"],
+    ),
+    "a video under an image's name": (
+        video_named_as_image,
+        ["metadata.csv row 2", "00000.png is a video (FLV (Flash Video), 'flv'), not an image"],
+    ),
     "float image out of range": (
         float_out_of_range,
         ["metadata.csv row 3", "hdr.tif", "mode F", "outside [0, 1]", "16-bit PNG"],
@@ -101,6 +124,13 @@ def test_bad_data_content_prints_one_line(case, assets, tmp_path, capsys):
     data, lines = copy_data(assets, tmp_path)
     breaks(data, lines)
     check_one_line(*run_cli(["preprocess", str(job(assets, tmp_path, data))], capsys), *needles)
+
+
+def test_video_rows_for_an_image_family_are_refused_by_validate(assets, tmp_path, capsys):
+    data, lines = copy_data(assets, tmp_path)
+    video_row_for_images(data, lines)
+    code, err = run_cli(["validate", str(job(assets, tmp_path, data))], capsys)
+    check_one_line(code, err, "metadata.csv row 3 (clips/a.mp4)", "video rows train with 'wan'")
 
 
 def check_skipped_named(code: int, err: str, *needles: str) -> None:

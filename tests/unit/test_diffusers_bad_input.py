@@ -526,10 +526,21 @@ def test_validate_on_the_command_line(case, cli_runs):
 
 def test_the_folder_names_the_family_each_pipeline_class_has():
     """folder.PIPELINE_FAMILIES (what a wrong-family message suggests) is the families' own."""
-    from splitstage.pipelines.diffusers import flux, qwenimage, sd, sd3, sdxl, wan
+    from splitstage.pipelines.diffusers import (
+        flux,
+        flux2,
+        flux_kontext,
+        qwenimage,
+        sd,
+        sd3,
+        sdxl,
+        wan,
+        zimage,
+    )
     from splitstage.pipelines.diffusers.folder import PIPELINE_FAMILIES
 
     families = (sd.SDFamily, sdxl.SDXLFamily, sd3.SD3Family, flux.FluxFamily)
-    families += (qwenimage.QwenImageFamily, wan.WanFamily)
+    families += (qwenimage.QwenImageFamily, wan.WanFamily, zimage.ZImageFamily, flux2.Flux2Family)
+    families += (flux_kontext.FluxKontextFamily,)
     expected = {cls: family.name for family in families for cls in family.pipeline_classes}
     assert expected == PIPELINE_FAMILIES

@@ -14,7 +14,9 @@ from splitstage.tasks.memory.memory_plan import estimate_memory
 from tests.helpers.memory_jobs import close, family_job
 
 
-@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "qwenimage", "wan"])
+@pytest.mark.parametrize(
+    "family", ["sd", "sdxl", "sd3", "flux", "qwenimage", "wan", "zimage", "flux2"]
+)
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, family):
     write_digits_dataset(tmp_path / "data", limit=4, size=32)
     plan = make_plan(config_from_dict(family_job(tmp_path, family)))
