@@ -43,6 +43,7 @@ from splitstage.pipelines.diffsynth.loader import (
     training_mode,
 )
 from splitstage.pipelines.diffsynth.pipeline_units import DiffSynthUnits, loss_inputs
+from splitstage.pipelines.diffsynth.tokenizer_check import check_tokenizer
 from splitstage.pipelines.distill_rows import distill_values
 from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
 from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
@@ -265,6 +266,9 @@ class DiffSynthFamily(Family):
                     f"pipeline.{size} = {value}: {group.pipeline_class} with these model files "
                     f"needs a multiple of {factor} (its VAE and patching); use {fits}"
                 )
+        check_tokenizer(
+            group.pipeline_class, group.tokenizer_path, self.stand_ins.get("text_encoder")
+        )
 
     def require_loaded(self, name: str) -> SlotSource:
         """The file and MODEL_CONFIGS entry of a slot, or one line naming what to add."""

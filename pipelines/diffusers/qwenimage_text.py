@@ -14,17 +14,8 @@ from splitstage.pipelines.diffusers.components import (
     build_empty,
     init_buffers,
 )
+from splitstage.pipelines.qwen_template import pipeline_template
 from splitstage.storage.safetensors_io import mapped_state
-
-
-def pipeline_template() -> tuple[str, int]:
-    """(prompt template, count of leading tokens to drop): QwenImagePipeline's own values, read
-    from a pipeline built without components so they follow the installed diffusers."""
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.__new__(QwenImagePipeline)
-    QwenImagePipeline.__init__(pipe, None, None, None, None, None)
-    return pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
 
 
 def check_template_prefix(tokenizer) -> None:

@@ -305,3 +305,22 @@ def test_a_missing_slot_or_a_size_the_models_cannot_take_is_refused_by_validate(
     assert "pipeline.height = 30" in message and "multiple of 16" in message, message
     assert "use 32" in message, message
     check_job(make_plan(config_from_dict(document)))  # the whole folder, 32 x 32: fits
+
+
+def test_another_models_tokenizer_is_refused_by_validate(root):
+    """Qwen-Image given Wan's T5 tokenizer would encode every prompt into ids its text encoder
+    reads as other words: refused before anything runs, naming tokenizer_path; each pipeline's
+    own tokenizer passes."""
+    from splitstage.splitter import UserError
+    from splitstage.tasks.stage2.preflight import check_job
+
+    wan = json.loads((root / "WanVideoPipeline" / "info.json").read_text())["tokenizer_path"]
+    document = job_document(root, "QwenImagePipeline")
+    foreign = {**document, "pipeline": {**document["pipeline"], "tokenizer_path": wan}}
+    with pytest.raises(UserError) as error:
+        check_job(make_plan(config_from_dict(foreign)))
+    message = str(error.value)
+    assert message.startswith("pipeline.tokenizer_path: ") and "tokenizer" in message, message
+    assert "\n" not in message
+    for name in PIPELINES:
+        check_job(make_plan(config_from_dict(job_document(root, name))))
