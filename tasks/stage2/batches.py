@@ -158,9 +158,14 @@ class RawBatches(PlannedBatches):
         data = index_data_set(config)
         self.rows = dict(zip(data.keys, data.rows))
         self.keys = sorted(self.rows)
-        # image rows mixed with video rows are one-frame clips beside longer ones: other shapes
+        # clips of other lengths side by side: image rows (one frame) beside video rows, and in
+        # a video family animated images or videos known by content (their own frame counts)
+        # and clips shortened to the frames they hold
         mixed = len({is_video(row.image) for row in data.rows}) > 1
-        shaped = family.buckets or mixed
+        video = config.pipeline.takes_video()
+        by_name = all(is_video(row.image) for row in data.rows)
+        uneven = video and (not by_name or config.data.video.short_clips == "shorten")
+        shaped = family.buckets or mixed or uneven
         self.groups = self._shape_groups() if shaped else np.zeros(len(self.keys), int)
 
     def _shape_groups(self) -> np.ndarray:

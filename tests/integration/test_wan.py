@@ -184,6 +184,31 @@ def test_shorten_puts_short_clips_in_frame_buckets_cached_and_counted_apart(root
     assert latent_frames == ["1", "2", "3"], groups
 
 
+def test_unsplit_batches_group_clips_of_other_lengths_even_when_every_row_is_a_video(
+    root, tmp_path
+):
+    """Training without a cache decodes each batch: with short_clips = 'shorten' the 6- and
+    8-frame clips give 5 frames beside the others' 9, though every row names a video, so the
+    raw batches group by shape (as the cache does) instead of collating 5 with 9 frames."""
+    from splitstage.tasks.stage2.batches import RawBatches
+
+    data = tmp_path / "clips-only"
+    shutil.copytree(root / "data" / "clips", data / "clips")
+    rows = [{"video": f"clips/clip{i}.mp4", "prompt": f"clip {i}"} for i in range(4)]
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = job(
+        root,
+        "raw",
+        video={"num_frames": 9, "short_clips": "shorten"},
+        data={"base_path": str(data)},
+        mode="unsplit",
+    )
+    batches = RawBatches(make_plan(config).family, rank=0, world_size=1)
+    assert sorted(batches.group_labels().values()) == [2, 2]
+    for _, batch in batches.iterate(0):
+        assert len({clip.shape for clip in batch["video"]}) == 1
+
+
 def diffusers_loss(pipe, transformer, batch) -> torch.Tensor:
     """The step's loss computed with diffusers' components alone: WanPipeline's prompt encoding,
     its VAE's latents normalised as the pipeline undoes them, sigma from
