@@ -16,7 +16,10 @@ depths and parameter counts are the real ones. Then, on the GPU:
      through the family's hook: peak CUDA memory and step time, checkpointing on and off
   5. torchrun --nproc_per_node 1: an all_reduce through splitstage's process-group set-up, and the
      real launcher (`train`) on a tiny SD folder: the backend it used (NCCL's log) and its step time
-  6. the memory levers (bench/gpu_levers.py): FLUX.1-dev-size and Qwen-Image-size (20.4B)
+  6. the memory plan (`splitstage validate`'s estimate, fake tensors) against the same stage-2
+     micro-step on the real models for SD 1.5 and SDXL: torch.cuda.max_memory_allocated, within
+     10% (the issue's promise), and torch's tracker on the real tensors
+  7. the memory levers (bench/gpu_levers.py): FLUX.1-dev-size and Qwen-Image-size (20.4B)
      transformers built by stage 2's own functions, random bf16 weights made on the GPU, a LoRA
      step at 1024 px with checkpointing for a bf16 base, each `train.base_quantization` (int8,
      fp8, nf4) and `train.offload = "cpu"`: peak CUDA memory allocated, median step time and the
@@ -386,6 +389,48 @@ def flux_step(device, work: Path, smoke: bool, check: Check):
     return rows  # the model and its optimizer go with this frame (release() collects)
 
 
+ESTIMATE_TOLERANCE = 0.10  # the memory plan's promise on a GPU: within 10% of the allocator
+
+
+def memory_estimate(kind: str, device, state: dict):
+    """The memory plan's stage-2 estimate for this job (`splitstage validate`'s, fake tensors)
+    against the same micro-step on the real models: torch.cuda.max_memory_allocated above what
+    was allocated before (the estimate's CUDA-context allowance left out: the allocator does
+    not see it), and torch's tracker on the real tensors."""
+    from splitstage.tasks.memory.measured_step import measure_stage1, measure_stage2
+    from splitstage.tasks.memory.memory_plan import estimate_memory
+
+    steps = state.get(kind, {}).pop("steps", None)  # the split/unsplit rows' models: freed
+    if steps is None:
+        raise Skipped(f"no {kind} models (see its load row)")
+    plan = steps.plan
+    del steps
+    gc.collect()
+    parts = estimate_memory(plan, device).stage2.parts
+    estimate = sum(v for k, v in parts.items() if k != "cuda_context")
+    _, cached = measure_stage1(plan, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    tracked = sum(measure_stage2(plan, cached, device).values())
+    if device.type != "cuda":
+        return f"estimate {mib(estimate)} / tracked {mib(tracked)} = {estimate / tracked:.3f} (CPU)"
+    torch.cuda.synchronize(device)
+    allocated = torch.cuda.max_memory_allocated(device) - before
+    ratio = estimate / allocated
+    verdict = "within" if abs(ratio - 1) <= ESTIMATE_TOLERANCE else "OUTSIDE"
+    return (
+        f"estimate {mib(estimate)} / max_memory_allocated {mib(allocated)} = {ratio:.3f} "
+        f"({verdict} {ESTIMATE_TOLERANCE:.0%}; tracked {mib(tracked)})"
+    )
+
+
+def mib(count: float) -> str:
+    """Bytes as MiB (the smoke sizes are a few MiB, the real ones thousands)."""
+    return f"{count / 2**20:.1f} MiB"
+
+
 def release(kind: str, device, state: dict) -> None:
     """Free the family's models before the next one."""
     state.get(kind, {}).pop("steps", None)
@@ -533,6 +578,8 @@ def main(argv=None) -> int:
             check.run(f"{label}: stage-2 step / unsplit step", 60, timing, 10)
             memory = partial(peak_memory, kind, device, state)
             check.run(f"{label}: peak memory stage 2 / unsplit", 40, memory, 5)
+            estimated = partial(memory_estimate, kind, device, state)
+            check.run(f"{label}: memory plan estimate / measured, stage 2", 60, estimated, 5)
             release(kind, device, state)
         if "levers" in only:
             check.reserve = 0.0

@@ -18,27 +18,40 @@ from splitstage.tasks.stage2.models import build_stage2_models
 ONE_CPU_RANK = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 
 
-def measure_memory(plan: JobPlan) -> MemoryPlan:
-    """Both stages' measured peaks on one CPU process (real weights, real tensors)."""
-    config, family, device = plan.config, plan.family, torch.device("cpu")
-    sample = synthetic_sample(plan)
+def measure_stage1(plan: JobPlan, device: torch.device) -> tuple[dict[str, int], dict]:
+    """Stage 1's parts on one `preprocess` batch of the real models, and the cached params of
+    one sample (what stage 2 reads); the models are gone when it returns."""
+    config, family = plan.config, plan.family
     size = config.preprocess.batch_size
-    stage1_models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
-    batch = collate_samples([dict(sample) for _ in range(size)])
-    parts1, batch = stage1_peak(plan.v2_units, stage1_models, batch, device, family.settings())
-    del stage1_models
+    models = {name: family.build_model(name, device) for name in plan.split.models["stage1"]}
+    batch = collate_samples([dict(synthetic_sample(plan)) for _ in range(size)])
+    parts, batch = stage1_peak(plan.v2_units, models, batch, device, family.settings())
+    del models
     params = [p for p in plan.split.boundary_params if p in batch]
-    cached = split_batch(batch, params, size)[0]
+    return parts, split_batch(batch, params, size)[0]
+
+
+def measure_stage2(plan: JobPlan, cached: dict, device: torch.device) -> dict[str, int]:
+    """Stage 2's parts on one micro-step of the real models, built as a one-rank job builds
+    them on `device`, from `cached` (the sample itself in unsplit mode)."""
+    config, family = plan.config, plan.family
     unsplit = config.train.mode == "unsplit"
     names = list(family.model_names) if unsplit else None
-    models = build_stage2_models(plan, ONE_CPU_RANK, names=names, log=lambda line: None).models
-    one = dict(sample) if unsplit else cached
+    rank = ONE_CPU_RANK if device.type == "cpu" else DistInfo(0, 0, 1, device, "nccl")
+    models = build_stage2_models(plan, rank, names=names, log=lambda line: None).models
+    one = dict(synthetic_sample(plan)) if unsplit else cached
     inputs = collate_samples([dict(one) for _ in range(config.train.batch_size)])
     units = list(plan.units) if unsplit else plan.v1_units
     dtype = pick_dtype(config.train.mixed_precision, device)
-    seed = config.job.seed
-    parts2 = stage2_peak(family, units, models, inputs, config.train, device, dtype, seed)
+    return stage2_peak(family, units, models, inputs, config.train, device, dtype, config.job.seed)
+
+
+def measure_memory(plan: JobPlan, device: torch.device | None = None) -> MemoryPlan:
+    """Both stages' measured peaks on one process (real weights, real tensors; CPU default)."""
+    device = device or torch.device("cpu")
+    parts1, cached = measure_stage1(plan, device)
+    parts2 = measure_stage2(plan, cached, device)
     measured = "measured by torch's MemTracker on real tensors"
     return MemoryPlan(
-        "cpu", StageMemory(parts1, measured), StageMemory(parts2, measured), None, [measured]
+        str(device), StageMemory(parts1, measured), StageMemory(parts2, measured), None, [measured]
     )

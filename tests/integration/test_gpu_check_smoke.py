@@ -47,3 +47,27 @@ def test_cpu_smoke_reports_every_lever_row():
         assert frozen["int8"] <= 0.55 * frozen["bf16 base"], frozen
         assert frozen["fp8"] <= 0.55 * frozen["bf16 base"], frozen
         assert frozen["nf4"] <= 0.3 * frozen["bf16 base"], frozen
+
+
+ESTIMATE = re.compile(r"estimate (\d+\.\d) MiB / tracked (\d+\.\d) MiB = (\d+\.\d+) \(CPU\)")
+
+
+def test_cpu_smoke_compares_the_memory_plan_with_the_measured_step():
+    """The GPU check's memory-plan row (estimate vs torch.cuda.max_memory_allocated on a GPU)
+    runs its whole path on this CPU at tiny SD 1.5 sizes: the estimate against torch's tracker
+    on the real stage-2 micro-step, within the 15% the plan promises on CPUs."""
+    done = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--cpu-smoke", "--only", "sd"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    row = next(
+        (line for line in done.stdout.splitlines() if "memory plan estimate / measured" in line),
+        "missing",
+    )
+    found = ESTIMATE.search(row)
+    assert found, row
+    assert float(found[2]) > 0 and abs(float(found[3]) - 1) <= 0.15, row
