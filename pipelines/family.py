@@ -100,6 +100,14 @@ class Family:
         return self.config.pipeline.stage1_settings()
 
     # -- data ------------------------------------------------------------------------------------
+    @classmethod
+    def check_references(cls, config: SplitstageConfig, rows: Iterable[Row]) -> None:
+        """Refuse, before stage 1, rows whose reference images this job cannot train (one line);
+        default: against `reference_images` (a family whose rule depends on its settings
+        overrides this)."""
+        rule = cls.reference_images
+        check_reference_rows(rows, rule, config.pipeline.name, reference_takers)
+
     def load_sample(self, row: Row, base_path: str | Path | DataSource) -> dict[str, Any]:
         """What one data row becomes: the pipeline inputs of one sample (tensors and values).
         `base_path` is the data set's opened DataSource (stages 1 and 2 pass it, opened once)
@@ -337,6 +345,50 @@ class Family:
             if isinstance(value, torch.Tensor) and not name.startswith("empty_")
         }
 
+    def reference_units(self) -> list[RunnableUnit]:
+        """The units that encode reference images alone (they read only `reference_image`):
+        the reference step stage 1 runs on `validation.reference_images`."""
+        return [unit for unit in self.units() if set(unit.spec.inputs) == {"reference_image"}]
+
+    def reference_models(self) -> list[str]:
+        """The models `reference_conditioning` calls; ConfigError (one line) when the family
+        cannot condition samples on reference images (checked before launch)."""
+        rule, units = self.reference_images, self.reference_units()
+        if rule is None:
+            names = ", ".join(map(repr, reference_takers())) or "none is registered"
+            raise ConfigError(
+                f"validation.reference_images: the {self.name} family takes no reference "
+                "images; remove validation.reference_images or set pipeline.name to a family "
+                f"that does ({names})"
+            )
+        if rule.most != 1 or not units:
+            raise ConfigError(
+                f"validation.reference_images: the {self.name} family cannot sample with "
+                "reference images yet; remove validation.reference_images"
+            )
+        return sorted({m for unit in units for m in unit.spec.onload_model_names})
+
+    def reference_conditioning(
+        self,
+        ctx: StepContext,
+        images: Sequence[Sequence[torch.Tensor]],
+        prompts: Sequence[str],
+    ) -> dict[str, torch.Tensor]:
+        """What each prompt seen with its reference images ([3, H, W] in [-1, 1], sized by
+        `reference_images` beside the sample size) conditions on, merged over
+        `prompt_conditioning(prompts)` (called for the prompts and for their negatives).
+        Default: one image per prompt, stacked as `reference_image` through `reference_units`
+        (the prompts unused); a family taking several, or encoding the prompt with the image,
+        overrides this and `reference_models`."""
+        self.reference_models()  # refuses what the default cannot encode
+        inputs: dict[str, Any] = {"reference_image": torch.stack([one for (one,) in images])}
+        run_units(self.reference_units(), ctx, inputs)
+        return {
+            name: value
+            for name, value in inputs.items()
+            if isinstance(value, torch.Tensor) and name != "reference_image"
+        }
+
     default_guidance: ClassVar[float] = 1.0  # validation.guidance_scale when not given
 
     def check_sampling(self) -> None:
@@ -456,6 +508,5 @@ def reference_takers() -> list[str]:
 
 
 def check_family_rows(config: SplitstageConfig, rows: Iterable[Row]) -> None:
-    """The rows' reference images against the family's `reference_images` (before stage 1)."""
-    name = config.pipeline.name
-    check_reference_rows(rows, family_class(name).reference_images, name, reference_takers)
+    """The rows' reference images against the family's rule (before stage 1)."""
+    family_class(config.pipeline.name).check_references(config, rows)

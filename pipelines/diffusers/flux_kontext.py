@@ -6,8 +6,9 @@ ids whose first coordinate is 1; the prediction is cut back to the target's toke
 caches the reference latents beside the target's latent distribution and the prompt embeddings;
 stage 2 never opens the reference image. A reference is cropped to its target's size (its
 bucket), as diffusers' train_dreambooth_lora_flux_kontext.py resizes both images alike.
-Validation prompts sample without a reference (FLUX's sampler: FluxKontextPipeline with
-image=None); given reference latents, `sample` runs the pipeline's loop with them.
+Validation prompts sample with `validation.reference_images` (the seam's default
+`reference_conditioning` runs `ReferenceEncoder` on them in stage 1, cropped to the sample size)
+through the pipeline's loop; without them, FLUX's sampler (FluxKontextPipeline with image=None).
 """
 
 from __future__ import annotations

@@ -52,6 +52,13 @@ class ValidationConfig(Group):
         description="Sizes to sample at, 'WIDTHxHEIGHT' pixels (e.g. ['768x512', '512x768']): "
         "every prompt at every size, one grid per size; empty: the family's square resolution.",
     )
+    reference_images: list[str | list[str]] | None = Field(
+        None,
+        description="The reference image of each prompt, for families that edit one (e.g. "
+        "flux_kontext): a path relative to data.base_path or a URL, one per prompt, or a list "
+        "per prompt for families taking several; cropped to each sample size as training "
+        "crops them to the target's.",
+    )
 
     @field_validator("sizes", mode="before")
     @classmethod
@@ -82,6 +89,18 @@ class ValidationConfig(Group):
             )
         if any(not p.strip() for p in self.prompts):
             raise ValueError("prompts: an empty prompt samples nothing useful; remove it")
+        references = self.reference_images
+        if references is not None and len(references) != len(self.prompts):
+            raise ValueError(
+                f"reference_images has {len(references)} entries for {len(self.prompts)} "
+                "prompts; give one per prompt (a path, or a list of paths) or leave it out"
+            )
+        for index, paths in enumerate(self.references()):
+            if not paths or any(not path.strip() for path in paths):
+                raise ValueError(
+                    f"reference_images[{index}] names no file; give a path relative to "
+                    "data.base_path or a URL"
+                )
         return self
 
     @property
@@ -92,6 +111,11 @@ class ValidationConfig(Group):
     def sample_sizes(self) -> list[tuple[int, int]]:
         """The `sizes` as (height, width) pixels, in the order given."""
         return [parse_size(text) for text in self.sizes]
+
+    def references(self) -> list[list[str]]:
+        """Each prompt's reference image paths (a list per prompt; empty when none are given)."""
+        given = self.reference_images or []
+        return [[paths] if isinstance(paths, str) else list(paths) for paths in given]
 
     def negatives(self) -> list[str]:
         """The negative prompt of each prompt ("" where none is given)."""

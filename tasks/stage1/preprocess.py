@@ -46,6 +46,7 @@ from splitstage.tasks.cache.validation_prompts import (
     validation_prompts_written,
     write_validation_prompts,
 )
+from splitstage.tasks.cache.validation_references import check_validation_references
 from splitstage.tasks.device import (
     peak_memory_gib,
     pick_device,
@@ -343,6 +344,7 @@ def start_preprocess(plan: JobPlan) -> tuple[int, int]:
     budget, or a cache that cannot be written (one line), then delete what an interrupted run
     left mid-write; (files, bytes) reclaimed."""
     check_job(plan, optimizer_package=False)  # what validate and train refuse, refused here
+    check_validation_references(plan.family)  # [validation] reference images: read, decoded
     check_stage1_memory(plan)  # a worker over train.device_memory: refused before any model
     plan.cache.require_writable()
     return plan.cache.sweep_temp_files()  # no writer of this run has started yet

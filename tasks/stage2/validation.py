@@ -6,6 +6,8 @@ writes a labelled grid under `<output>/samples/` (a video family's clips also as
 files beside it, and as 4-frame filmstrips in the grid) and prints `samples update N: URL` (the flow
 publishes it as an artifact). With `validation.sizes` every prompt is drawn at every size (each
 size from the seed afresh, so a size's images do not depend on the others), one grid per size.
+With `validation.reference_images` each size's reference conditioning (stage 1's, or encoded
+here when stage 2 holds the reference models) is merged over the prompts' and the negatives'.
 A sampling failure is logged and never stops training.
 """
 
@@ -24,7 +26,15 @@ from splitstage.pipelines.family import Family
 from splitstage.pipelines.runtime import StepContext
 from splitstage.pipelines.sampling_common import clip_gif, clip_webp, filmstrip, grid_png
 from splitstage.storage.files import join, write_atomic
-from splitstage.tasks.cache.validation_prompts import Conditioning, encode, read_validation_prompts
+from splitstage.tasks.cache.validation_prompts import (
+    Conditioning,
+    References,
+    encode,
+    encode_references,
+    read_validation_prompts,
+    read_validation_references,
+)
+from splitstage.tasks.cache.validation_references import check_validation_references
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.outputs import open_output
 
@@ -35,10 +45,19 @@ Size = tuple[int, int]  # (height, width) pixels
 
 def check_validation_sizes(family: Family) -> None:
     """`validation.sizes` fit the family (checked before launch): it samples images of a chosen
-    size, and both sides are multiples of its side multiple (the VAE's and denoiser's patches)."""
+    size, and both sides are multiples of its side multiple (the VAE's and denoiser's patches);
+    then `validation.reference_images` (the family takes them, every file decodes)."""
     settings = family.config.validation
-    if not settings.enabled or not settings.sizes:
+    if not settings.enabled:
         return
+    if settings.sizes:
+        check_sample_sizes(family)
+    check_validation_references(family)
+
+
+def check_sample_sizes(family: Family) -> None:
+    """Each of `validation.sizes` can be drawn by the family (one ConfigError line if not)."""
+    settings = family.config.validation
     resolution = family.image_resolution()
     if resolution is None:
         raise ConfigError(
@@ -108,6 +127,7 @@ class Validator:
         # Encode in-process when stage 2 holds the prompt encoders (trained, or unsplit).
         self.in_process = all(name in models for name in family.prompt_models())
         self.cached: Conditioning | None = None
+        self.cached_references: References | None = None
 
     def due(self, update: int, *, last: bool = False) -> bool:
         """Whether to sample after `update`: every `validation.every` updates, and the last."""
@@ -153,11 +173,35 @@ class Validator:
                 )
         return self.cached
 
+    def references(self, size: Size | None) -> Conditioning:
+        """What the reference images add to (cond, uncond) at `size` (empty without them):
+        encoded here when stage 2 holds the reference models, else read once from stage 1's
+        file."""
+        if not self.settings.reference_images:
+            return {}, {}
+        family = self.plan.family
+        target = family.sample_size(size)
+        label = size_label(*target)
+        if all(name in self.models for name in family.reference_models()):
+            images = check_validation_references(family)
+            encoded = encode_references(self.plan, self.models, self.device, images, [target])
+            return encoded[label]
+        if self.cached_references is None:
+            self.cached_references = read_validation_references(self.plan)
+            if self.cached_references is None:
+                raise FileNotFoundError(
+                    "the validation reference images are not encoded for this cache; run "
+                    "`splitstage preprocess` (it encodes only them)"
+                )
+        return self.cached_references[label]
+
     def draw(self, size: Size | None = None) -> torch.Tensor:
         """Latents for every prompt x images_per_prompt at `size` (None: the family's square),
         from the seed afresh (collective on sharded models)."""
         family = self.plan.family
         cond, uncond = self.conditioning()
+        ref_cond, ref_uncond = self.references(size)
+        cond, uncond = cond | ref_cond, uncond | ref_uncond
         times = self.settings.images_per_prompt
         cond, uncond = repeat_rows(cond, times), repeat_rows(uncond, times)
         guidance = self.settings.guidance_scale
