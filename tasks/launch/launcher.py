@@ -30,6 +30,7 @@ from splitstage.tasks.stage2.run_spec import SPEC_FILE, RunSpec
 
 WORKER_MODULE = "splitstage.tasks.stage2.worker"
 
+MMAP_THRESHOLD = 1 << 20  # bytes: glibc maps allocations this large (see torchrun_spec)
 LEASE_TTL_S = float(os.environ.get("SPLITSTAGE_LEASE_TTL", "60"))  # a dead holder blocks this long
 
 
@@ -105,6 +106,12 @@ def torchrun_spec(
         # worker with one thread per core fights the data prefetch thread (2-5 s/update vs 0.2 s).
         env={
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            # glibc's malloc moves its mmap threshold up as large blocks are freed, after which
+            # a step's activations come from a heap it rarely returns: a rank's peak RSS then
+            # varies run to run (SD 1.5 at real size, default settings: 1.30-1.37x the UNet
+            # file). A fixed 1 MiB threshold maps every large tensor and returns it when freed
+            # (1.33x in every run). The user's own setting wins.
+            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
             **prefect_api_env(),
             **(env or {}),
         },
