@@ -30,6 +30,9 @@ PIPELINES: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
         {"edit_image_auto_resize": True, "zero_cond_t": False},
     ),
 }
+# Pipeline classes whose units encode reference images ('edit_image': Qwen-Image-Edit), and the
+# most a row may give (splitstage's bound: the units take a list of any length).
+EDIT_PIPELINES = {"QwenImagePipeline": 3}
 # Pipeline class -> the slots its training units cannot run without, and what each does there.
 REQUIRED_SLOTS: dict[str, dict[str, str]] = {
     "ZImagePipeline": {
@@ -85,6 +88,19 @@ class DiffSynthPipelineConfig(PipelineConfig):
     tokenizer_path: str = setting(
         ..., stage1=False, description="Local tokenizer folder (`tokenizer_config`)."
     )
+    processor_path: str | None = setting(
+        None,
+        stage1=False,  # the files' content enters the cache key (fingerprint_source)
+        description="QwenImagePipeline: local Qwen2.5-VL processor folder (DiffSynth's "
+        "`--processor_path`), needed for rows with `edit_image` (Qwen-Image-Edit).",
+    )
+    edit_image_list: bool = setting(
+        False,
+        stage1=True,
+        description="Hand a row's one reference image to the units as a list of one: "
+        "DiffSynth's multi-image ('Picture 1:') template, what a JSON list of one path gives in "
+        "its train.py (Qwen-Image-Edit-2509 / 2511 metadata); rows with several are lists anyway.",
+    )
     register_models: list[RegisteredModel] = setting(
         [],
         stage1=False,
@@ -136,6 +152,22 @@ class DiffSynthPipelineConfig(PipelineConfig):
                 f"tokenizer_path: folder {self.tokenizer_path} does not exist; give the local "
                 "tokenizer folder (nothing is downloaded)"
             )
+        if self.edit_image_list and self.pipeline_class not in EDIT_PIPELINES:
+            raise ValueError(
+                f"edit_image_list: {self.pipeline_class} encodes no reference images; remove "
+                f"edit_image_list (it is for {', '.join(EDIT_PIPELINES)})"
+            )
+        if self.processor_path is not None:
+            if self.pipeline_class not in EDIT_PIPELINES:
+                raise ValueError(
+                    f"processor_path: {self.pipeline_class} encodes no reference images; "
+                    f"remove processor_path (it is for {', '.join(EDIT_PIPELINES)})"
+                )
+            if not Path(self.processor_path).is_dir():
+                raise ValueError(
+                    f"processor_path: folder {self.processor_path} does not exist; give the local "
+                    "Qwen2.5-VL processor folder (nothing is downloaded)"
+                )
         if self.min_timestep_boundary >= self.max_timestep_boundary:
             raise ValueError("min_timestep_boundary must be below max_timestep_boundary")
         return self

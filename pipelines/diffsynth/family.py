@@ -26,11 +26,13 @@ from torch import nn
 
 from splitstage.config.job import ConfigError
 from splitstage.data.clips import clip_frames
-from splitstage.data.dataset import Row, decode_image, read_image_bytes
+from splitstage.data.dataset import Row, decode_image, read_image_bytes, reference_row
 from splitstage.data.images import center_crop_resize
+from splitstage.data.references import ReferenceImages, check_reference_rows
+from splitstage.data.row_table import RowTable
 from splitstage.data.videos import video_key_settings
 from splitstage.pipelines.diffsynth.adapter import DEFAULT_STEP_PARAMS, pipeline_from_diffsynth
-from splitstage.pipelines.diffsynth.config import PIPELINES, REQUIRED_SLOTS
+from splitstage.pipelines.diffsynth.config import EDIT_PIPELINES, PIPELINES, REQUIRED_SLOTS
 from splitstage.pipelines.diffsynth.loader import (
     DTYPES,
     SlotSource,
@@ -45,7 +47,7 @@ from splitstage.pipelines.diffsynth.loader import (
 from splitstage.pipelines.diffsynth.pipeline_units import DiffSynthUnits, loss_inputs
 from splitstage.pipelines.diffsynth.tokenizer_check import check_tokenizer
 from splitstage.pipelines.distill_rows import distill_values
-from splitstage.pipelines.family import ExportRequest, Family, TrainingStep
+from splitstage.pipelines.family import ExportRequest, Family, TrainingStep, reference_takers
 from splitstage.pipelines.model_buffers import keep_buffers, restore_buffers
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Pipeline
@@ -86,6 +88,9 @@ class DiffSynthFamily(Family):
     name = "diffsynth"
     default_lora_targets = ()
     tasks = tuple(LOSSES)
+    # Rows' 'edit_image' go to the edit units of the pipeline classes in EDIT_PIPELINES
+    # (Qwen-Image-Edit); check_references decides per pipeline class and rows.
+    reference_images = ReferenceImages(required=True, most=max(EDIT_PIPELINES.values()))
 
     def __init__(self, config):
         super().__init__(config)
@@ -158,6 +163,8 @@ class DiffSynthFamily(Family):
                 setattr(pipe, name, model)
                 if fresh.tokenizer is not None:
                     pipe.tokenizer = fresh.tokenizer
+                if getattr(fresh, "processor", None) is not None:  # Qwen-Image-Edit's
+                    pipe.processor = fresh.processor
                 for size in ("height_division_factor", "width_division_factor"):
                     if getattr(fresh, size) != getattr(self.skeleton, size):  # set by its VAE
                         setattr(pipe, size, getattr(fresh, size))
@@ -206,11 +213,51 @@ class DiffSynthFamily(Family):
         return tuple(sorted(read - written))
 
     # -- data ------------------------------------------------------------------------------------
+    @classmethod
+    def check_references(cls, config, rows) -> None:
+        """Rows with 'edit_image' only for a pipeline class with edit units, given its processor
+        folder; then every row has them (as train.py's `--extra_inputs edit_image` reads each
+        row's), at most EDIT_PIPELINES' count. Rows without any: that pipeline's text-to-image."""
+        group = config.pipeline
+        most = EDIT_PIPELINES.get(group.pipeline_class)
+        if most is None:
+            label = (
+                f"{cls.name} (pipeline_class {group.pipeline_class!r}; only "
+                f"{', '.join(map(repr, EDIT_PIPELINES))} takes them)"
+            )
+            check_reference_rows(rows, None, label, reference_takers)
+            return
+        first = first_with_references(rows)
+        if first is None:
+            return
+        if group.processor_path is None:
+            raise ConfigError(
+                f"pipeline.processor_path: {first.where} has 'edit_image', which "
+                f"{group.pipeline_class} encodes with the Qwen2.5-VL processor; set "
+                "pipeline.processor_path to its local folder (DiffSynth's --processor_path)"
+            )
+        rule = ReferenceImages(required=True, most=most)
+        check_reference_rows(rows, rule, f"{cls.name} {group.pipeline_class}", reference_takers)
+
+    def edit_images(self, row: Row, base_path: str | Path) -> Any:
+        """A row's reference images as DiffSynth's train.py hands `edit_image` to the units (its
+        data operator, on every data file key): each scaled and cropped by DiffSynth's rule to
+        height x width; one reference as one image (unless pipeline.edit_image_list), several
+        as a list (the edit units' single- and multi-image templates differ)."""
+        group = self.group
+        images = []
+        for ref in row.references:
+            ref_row = reference_row(row, ref)
+            image = decode_image(read_image_bytes(ref_row, base_path), ref_row, base_path)
+            images.append(center_crop_resize(image, group.height, group.width, RESIZE))
+        return images[0] if len(images) == 1 and not group.edit_image_list else images
+
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
         """The inputs DiffSynth's train.py builds from a row: the image, or for video pipelines
         the clip (`input_video`: a video row's `[data.video]` frames, an image row as one
         frame, as DiffSynth's video loader gives them), each frame scaled by DiffSynth's rule to
-        height x width; the prompt, and the training constants."""
+        height x width; the prompt, the training constants, and a row's reference images as
+        `edit_image` (`edit_images`)."""
         group = self.group
         sample = dict.fromkeys(self.unset_params)  # read, never written: None, as `.get` gives
         sample |= {**self.constants(), "prompt": row.prompt, "negative_prompt": ""}
@@ -223,6 +270,8 @@ class DiffSynthFamily(Family):
             return sample | {"input_video": video, "num_frames": len(video)}
         image = decode_image(read_image_bytes(row, base_path), row, base_path)
         sample["input_image"] = center_crop_resize(image, group.height, group.width, RESIZE)
+        if row.references:  # checked before stage 1: a pipeline with edit units
+            sample["edit_image"] = self.edit_images(row, base_path)
         return sample
 
     # -- models ----------------------------------------------------------------------------------
@@ -281,9 +330,10 @@ class DiffSynthFamily(Family):
         return self.sources[name]
 
     def fingerprint_source(self, name: str) -> dict[str, Any]:
-        """The pipeline class and the content of every model file and tokenizer file."""
+        """The pipeline class and the content of every model, tokenizer and processor file."""
+        folders = [self.group.tokenizer_path, self.group.processor_path]
         tokenizer = sorted(
-            str(p) for p in Path(self.group.tokenizer_path).rglob("*") if p.is_file()
+            str(p) for folder in folders if folder for p in Path(folder).rglob("*") if p.is_file()
         )
         return {
             "pipeline_class": self.group.pipeline_class,
@@ -393,6 +443,13 @@ class DiffSynthFamily(Family):
     def export_metadata(self, model_name: str, lora: bool) -> dict[str, str]:
         """The pipeline class the weights belong to."""
         return {"diffsynth_pipeline": self.group.pipeline_class}
+
+
+def first_with_references(rows) -> Row | None:
+    """The first row naming reference images (None: no row does)."""
+    if isinstance(rows, RowTable) and not rows.has_references():
+        return None
+    return next((row for row in rows if row.references), None)
 
 
 def distill_inputs(row: Row) -> dict[str, Any]:

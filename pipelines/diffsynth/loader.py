@@ -200,17 +200,22 @@ def skeleton(config: DiffSynthPipelineConfig) -> Any:
 def load_slot(
     config: DiffSynthPipelineConfig, source: SlotSource, device: torch.device, tokenizer: bool
 ) -> Any:
-    """DiffSynth's `from_pretrained` on one slot's file as its entry alone (plus the tokenizer
-    when asked): a pipeline holding that one model, in training mode. The file's tensors go in
-    as a mapped state dict (DiffSynth's ModelConfig.state_dict): its converter, load_state_dict
-    (assign) and dtype / device move run as for a file it reads itself."""
+    """DiffSynth's `from_pretrained` on one slot's file as its entry alone (plus the tokenizer,
+    and the processor where the config names one, when asked): a pipeline holding that one
+    model, in training mode. The file's tensors go in as a mapped state dict (DiffSynth's
+    ModelConfig.state_dict): its converter, load_state_dict (assign) and dtype / device move
+    run as for a file it reads itself."""
     core = diffsynth_module("diffsynth.core")
     model = core.ModelConfig(path=source.path, state_dict=mapped_state(source.path))
+    extra = {}
+    if tokenizer and config.processor_path is not None:  # QwenImagePipeline's (checked)
+        extra["processor_config"] = core.ModelConfig(path=config.processor_path)
     with _only_entries([source.entry]):
         pipe = pipeline_class(config).from_pretrained(
             torch_dtype=DTYPES[config.torch_dtype],
             device=str(device),
             model_configs=[model],
             tokenizer_config=core.ModelConfig(path=config.tokenizer_path) if tokenizer else None,
+            **extra,
         )
     return training_mode(pipe)

@@ -27,7 +27,8 @@ from splitstage.splitter import Unit
 TENSOR_LISTS = {
     "ZImagePipeline": frozenset({"prompt_embeds", "image_embeds", "image_latents"}),
     "WanVideoPipeline": frozenset(),
-    "QwenImagePipeline": frozenset(),
+    # edit_latents: one tensor per reference image; model_fn reads one tensor as a list of one
+    "QwenImagePipeline": frozenset({"edit_latents"}),
 }
 
 
@@ -108,7 +109,10 @@ def decode(name: str, value: Any, lists: frozenset[str]) -> Any:
 
 
 def encode(name: str, value: Any, unit: str, lists: frozenset[str]) -> Any:
-    """One sample's DiffSynth value in our batch form (tensors lose their batch dim of 1)."""
+    """One sample's DiffSynth value in our batch form (tensors lose their batch dim of 1; a
+    list param written as one tensor is cached as a list of it)."""
+    if name in lists and isinstance(value, torch.Tensor):
+        value = [value]
     if isinstance(value, torch.Tensor):
         if value.ndim == 0 or value.shape[0] != 1:
             raise UnitRunError(

@@ -2,7 +2,8 @@
 
 Z-Image (ZImageDiT, a small Qwen3 text encoder, small FLUX VAE encoder/decoder), Wan 2.1
 text-to-video (WanModel, WanTextEncoder, a small Wan VAE) and Qwen-Image (a small QwenImageDiT,
-a small Qwen2.5-VL text encoder with a cut vocabulary, QwenImageVAE at width 8), written as
+a small Qwen2.5-VL text encoder with a cut vocabulary, QwenImageVAE at width 8) and Qwen-Image-Edit
+(the same, its text encoder knowing the vision tokens, plus a Qwen2VLProcessor), written as
 safetensors files that
 DiffSynth's own loader reads. The small classes reuse DiffSynth's blocks; units hard-code 16 latent
 channels and an 8x downsample, which the VAEs keep. `register_entries(...)` gives the
@@ -141,7 +142,7 @@ class TinyQwenImageTextEncoder(QwenImageTextEncoder):
     """QwenImageTextEncoder around a 2-layer Qwen2.5-VL of width 32 (1-block vision tower), its
     vocabulary cut to the tiny Qwen2Tokenizer's."""
 
-    def __init__(self, vocab_size: int = 400):
+    def __init__(self, vocab_size: int = 400, vision_ids: dict[str, int] | None = None):
         torch.nn.Module.__init__(self)
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 
@@ -157,6 +158,7 @@ class TinyQwenImageTextEncoder(QwenImageTextEncoder):
             "rope_theta": 10000.0,
         }
         ids = {"bos_token_id": None, "eos_token_id": vocab_size - 1, "pad_token_id": 0}
+        ids |= vision_ids or {}  # the processor's image / vision tokens (Qwen-Image-Edit)
         vision = {
             "depth": 1,
             "hidden_size": 16,
@@ -259,10 +261,25 @@ QWEN_IMAGE_MODELS = {
         "vae.safetensors",
     ),
 }
+# Qwen-Image-Edit: the same DiT and VAE; a text encoder whose vocabulary holds the processor's
+# vision tokens (at the ids the edit tokenizer gives them), so a reference image is encoded.
+# Its vocabulary differs in size from Qwen-Image's, so the two files never share a key hash.
+EDIT_VOCAB = 416
+QWEN_VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_IMAGE_EDIT_MODELS = {
+    **QWEN_IMAGE_MODELS,
+    "text_encoder": (
+        "qwen_image_text_encoder",
+        f"{MODULE}.TinyQwenImageTextEncoder",
+        {"vocab_size": EDIT_VOCAB},  # vision_ids: added by write_tiny_edit_models
+        "text_encoder.safetensors",
+    ),
+}
 MODELS = {
     "ZImagePipeline": ZIMAGE_MODELS,
     "WanVideoPipeline": WAN_MODELS,
     "QwenImagePipeline": QWEN_IMAGE_MODELS,
+    "QwenImageEdit": QWEN_IMAGE_EDIT_MODELS,
 }
 
 
@@ -348,10 +365,49 @@ def qwen_image_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def qwen_image_edit_tokenizer() -> Any:
+    """The tiny Qwen2Tokenizer plus the Qwen2.5-VL vision tokens (a reference image's
+    `<|vision_start|><|image_pad|><|vision_end|>`), as special tokens after its vocabulary."""
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_tokens(list(QWEN_VISION_SPECIALS), special_tokens=True)
+    return tokenizer
+
+
+def qwen_image_edit_tokenizer_folder(folder: Path) -> Path:
+    """The edit tokenizer, saved where DiffSynth's `tokenizer_config` loads it."""
+    qwen_image_edit_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def vision_ids(tokenizer: Any) -> dict[str, int]:
+    """The Qwen2.5-VL config's token ids for the tokenizer's vision tokens."""
+    ids = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_SPECIALS))
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return dict(zip(names, ids, strict=True))
+
+
+def qwen_image_edit_processor(folder: Path, tokenizer: Any) -> Path:
+    """A Qwen2VLProcessor (Qwen2.5-VL's image processor at most 56 x 56 pixels: 4 vision tokens
+    per image; its video processor; the edit tokenizer), saved where DiffSynth's
+    `processor_config` loads it."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    size = {"shortest_edge": 28 * 28, "longest_edge": 56 * 56}
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(size=size),
+    )
+    processor.save_pretrained(folder)
+    return folder
+
+
 TOKENIZERS = {
     "ZImagePipeline": zimage_tokenizer,
     "WanVideoPipeline": wan_tokenizer,
     "QwenImagePipeline": qwen_image_tokenizer,
+    "QwenImageEdit": qwen_image_edit_tokenizer_folder,
 }
 
 
@@ -393,3 +449,14 @@ def write_tiny_models(
     TOKENIZERS[pipeline_class](tokenizer)
     (folder / "models.json").write_text(json.dumps(entries, indent=2))
     return {"model_paths": paths, "tokenizer_path": str(tokenizer), "register_models": entries}
+
+
+def write_tiny_edit_models(folder: str | Path, *, seed: int = 0) -> dict[str, Any]:
+    """Qwen-Image-Edit's tiny files (`write_tiny_models` of the "QwenImageEdit" set, its text
+    encoder knowing the vision tokens) plus the processor folder; the answer adds
+    "processor_path" (DiffSynth's `--processor_path`)."""
+    tokenizer = qwen_image_edit_tokenizer()
+    kwargs_of = {"text_encoder": {"vision_ids": vision_ids(tokenizer)}}
+    info = write_tiny_models("QwenImageEdit", folder, seed=seed, kwargs_of=kwargs_of)
+    processor = qwen_image_edit_processor(Path(folder) / "processor", tokenizer)
+    return info | {"processor_path": str(processor)}
