@@ -1,5 +1,5 @@
-"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, flux_kontext, qwenimage, wan,
-zimage
+"""`[pipeline]` groups of the diffusers families: sd, sdxl, sd3, flux, flux_kontext, qwenimage,
+qwenimage_edit, wan, wan_i2v, zimage
 (no torch)."""
 
 from __future__ import annotations
@@ -241,6 +241,40 @@ class QwenImagePipelineConfig(FlowRecipe):
         return max(math.isqrt(self.max_pixels) // self.pixel_multiple * self.pixel_multiple, 64)
 
 
+class QwenImageEditPipelineConfig(QwenImagePipelineConfig):
+    """Qwen-Image-Edit (QwenImageEditPipeline, one reference) and Qwen-Image-Edit-2509
+    (QwenImageEditPlusPipeline, one or more): the folder's model_index decides which. Each row's
+    reference images ('edit_image') are seen by Qwen2.5-VL with the prompt and VAE-encoded at
+    their own size in stage 1; their latents follow the noisy latents in the transformer."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.qwenimage_edit:QwenImageEditFamily"
+    name: Literal["qwenimage_edit"] = "qwenimage_edit"  # type: ignore[assignment]
+    max_prompt_length: int = setting(
+        2048,
+        stage1=True,
+        ge=1,
+        le=16384,
+        description="Tokens after the template's system prefix: the reference images' vision "
+        "tokens and the prompt (the pipeline keeps them all); embeddings are cached padded to "
+        "it, with their mask; a longer row is refused.",
+    )
+    reference_max_pixels: int = setting(
+        1024 * 1024,
+        stage1=True,
+        ge=32 * 32,
+        description="Area each reference image is resized to for the VAE, keeping its aspect "
+        "ratio, sides multiples of 32 (the pipelines' VAE_IMAGE_SIZE / calculate_dimensions); "
+        "QwenImageEditPipeline's Qwen2.5-VL sees this size too.",
+    )
+    condition_max_pixels: int = setting(
+        384 * 384,
+        stage1=True,
+        ge=32 * 32,
+        description="Area each reference image is resized to for Qwen2.5-VL in "
+        "QwenImageEditPlusPipeline (its CONDITION_IMAGE_SIZE).",
+    )
+
+
 class WanPipelineConfig(FlowRecipe):
     """Wan 2.1 text-to-video (and one expert of Wan 2.2 A14B): UMT5 prompts, a causal 3D VAE
     normalised per channel, a video transformer, flow matching on the scheduler's shifted sigmas.
@@ -286,6 +320,16 @@ class WanPipelineConfig(FlowRecipe):
         "expert to train: 'high_noise' = transformer on t >= boundary_ratio * 1000, "
         "'low_noise' = transformer_2 below it (set trainable.lora_base_model to match).",
     )
+
+
+class WanI2VPipelineConfig(WanPipelineConfig):
+    """Wan image-to-video (Wan 2.1 I2V with CLIP, or one Wan 2.2 I2V A14B expert): Wan's settings;
+    each clip is conditioned on its first frame, or on the row's 'edit_image' (one image), whose
+    CLIP embeddings and condition latents stage 1 caches."""
+
+    family_class: ClassVar[str] = f"{FAMILY_MODULE}.wan_i2v:WanI2VFamily"
+    video_rows: ClassVar[str] = "'wan_i2v'"
+    name: Literal["wan_i2v"] = "wan_i2v"  # type: ignore[assignment]
 
 
 class ZImagePipelineConfig(FlowRecipe):

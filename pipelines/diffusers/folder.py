@@ -23,7 +23,10 @@ PIPELINE_FAMILIES = {  # model_index.json _class_name -> the family that trains 
     "FluxPipeline": "flux",
     "FluxKontextPipeline": "flux_kontext",
     "QwenImagePipeline": "qwenimage",
+    "QwenImageEditPipeline": "qwenimage_edit",
+    "QwenImageEditPlusPipeline": "qwenimage_edit",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan_i2v",
     "ZImagePipeline": "zimage",
     "Flux2Pipeline": "flux2",
 }

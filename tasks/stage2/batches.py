@@ -165,7 +165,9 @@ class RawBatches(PlannedBatches):
         video = config.pipeline.takes_video()
         by_name = all(is_video(row.image) for row in data.rows)
         uneven = video and (not by_name or config.data.video.short_clips == "shorten")
-        shaped = family.buckets or mixed or uneven
+        rule = family.reference_images  # references sized on their own differ in shape too
+        own = rule is not None and rule.max_pixels is not None
+        shaped = family.buckets or mixed or uneven or own
         self.groups = self._shape_groups() if shaped else np.zeros(len(self.keys), int)
 
     def _shape_groups(self) -> np.ndarray:
@@ -175,6 +177,9 @@ class RawBatches(PlannedBatches):
         for key in self.keys:
             sample = self.family.load_sample(self.rows[key], base)
             shape = (sample["height"], sample["width"], sample.get("num_frames", 1))
+            refs = sample.get("reference_image", ())  # and its references' sizes
+            refs = refs if isinstance(refs, list | tuple) else [refs]
+            shape += tuple(tuple(ref.shape) for ref in refs)
             out.append(sizes.setdefault(shape, len(sizes)))
         return np.asarray(out, dtype=np.int64)
 

@@ -32,7 +32,7 @@ def family_job(root: Path, family: str, **train) -> dict:
     if not (root / family / "model_index.json").is_file():
         write_tiny_folder(family, root / family)
     document["pipeline"] = {"name": family, "pretrained": str(root / family), "resolution": 64}
-    if family == "wan":
+    if family in ("wan", "wan_i2v"):
         document["data"]["video"] = {"num_frames": 5}
     return document | {"trainable": {"lora_base_model": DENOISERS.get(family, "transformer")}}
 

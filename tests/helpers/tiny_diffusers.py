@@ -1,4 +1,5 @@
-"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image, Wan 2.1, Wan
+"""Tiny random-weight diffusers folders (SD 1.5, SD 2, SDXL, SD3, FLUX, Qwen-Image, Qwen-Image-Edit
+(and Plus), Wan 2.1, Wan
 2.2 A14B's two experts, Z-Image, FLUX.2) in Hub layout.
 
 `write_tiny_folder(kind, folder)` saves what `XPipeline.save_pretrained(folder)` writes for a real
@@ -22,7 +23,18 @@ QWEN_KINDS = ("qwenimage",)  # Qwen2.5-VL prompts, a video VAE
 VIDEO_KINDS = ("wan", "wan22")  # UMT5 prompts, a causal 3D VAE, video transformer(s)
 CHAT_KINDS = ("zimage", "flux2")  # chat-templated decoder-only text encoders (Qwen3, Mistral 3)
 EDIT_KINDS = ("flux_kontext",)  # FLUX's parts behind an editing pipeline (a reference image)
-ALL_KINDS = (*KINDS, *QWEN_KINDS, *VIDEO_KINDS, *CHAT_KINDS, *EDIT_KINDS)
+I2V_KINDS = ("wan_i2v", "wan22_i2v")  # Wan image-to-video (2.1 with CLIP; 2.2 A14B's experts)
+# Qwen-Image's parts behind QwenImageEdit(Plus)Pipeline: a Qwen2.5-VL that sees the references
+QWEN_EDIT_KINDS = ("qwenimage_edit", "qwenimage_edit_plus")
+ALL_KINDS = (
+    *KINDS,
+    *QWEN_KINDS,
+    *VIDEO_KINDS,
+    *CHAT_KINDS,
+    *EDIT_KINDS,
+    *QWEN_EDIT_KINDS,
+    *I2V_KINDS,
+)
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 512
@@ -72,12 +84,14 @@ def t5_tokenizer() -> Any:
 
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def qwen_tokenizer() -> Any:
+def qwen_tokenizer(template: str | None = None, specials: Sequence[str] = QWEN_SPECIALS) -> Any:
     """A Qwen2Tokenizer built in memory: every byte, plus one token per piece of
-    QwenImagePipeline's prompt template, so its system prefix is 34 tokens as with the real
-    vocabulary (the pipeline drops exactly that many); other text encodes byte by byte."""
+    QwenImagePipeline's prompt template (or `template`), so its system prefix is 34 tokens as
+    with the real vocabulary (the pipeline drops exactly that many); other text encodes byte by
+    byte; `specials` are single tokens."""
     import re
 
     from transformers import Qwen2Tokenizer
@@ -85,15 +99,35 @@ def qwen_tokenizer() -> Any:
     vocab = {symbol: i for i, symbol in enumerate(_byte_symbols())}
     pre_tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=[])._tokenizer.pre_tokenizer
     merges = []
-    specials = "|".join(re.escape(s) for s in QWEN_SPECIALS)
-    for part in re.split(specials, _qwen_template().replace("{}", "")):
+    pattern = "|".join(re.escape(s) for s in specials)
+    for part in re.split(pattern, (template or _qwen_template()).replace("{}", "")):
         for piece, _ in pre_tokenizer.pre_tokenize_str(part):
             for end in range(2, len(piece) + 1):  # one merge chain per piece, left to right
                 if piece[:end] not in vocab:
                     vocab[piece[:end]] = len(vocab)
                     merges.append((piece[: end - 1], piece[end - 1]))
-    vocab |= {special: len(vocab) + i for i, special in enumerate(QWEN_SPECIALS)}
-    return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=list(QWEN_SPECIALS[1:]))
+    vocab |= {special: len(vocab) + i for i, special in enumerate(specials)}
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=list(specials[1:]))
+
+
+def qwen_edit_tokenizer(plus: bool) -> Any:
+    """qwen_tokenizer over QwenImageEdit(Plus)Pipeline's template (its system prefix is the 64
+    tokens the pipeline drops) and Qwen2.5-VL's vision marks ("Picture 1: " byte by byte)."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipe = cls.__new__(cls)
+    cls.__init__(pipe, None, None, None, None, None, None)
+    template, drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+    tokenizer = qwen_tokenizer(template, (*QWEN_SPECIALS, *VISION_SPECIALS))
+    prefix = template.split("{}")[0].split("<|vision_start|>")[0]
+    system = prefix.split("<|im_start|>")[1].split("<|im_end|>")[0]  # "system\nDescribe ..."
+    pieces = tokenizer._tokenizer.pre_tokenizer.pre_tokenize_str(system)
+    excess = len(tokenizer(prefix).input_ids) - drop
+    pairs = [pieces[i][1][0] for i in range(0, 2 * excess, 2)]  # where each joined pair starts
+    ends = [pieces[i + 1][1][1] for i in range(0, 2 * excess, 2)]
+    tokenizer.add_tokens([system[a:b] for a, b in zip(pairs, ends, strict=True)])
+    return tokenizer  # pairs of pieces joined until the system prefix is `drop` tokens, as real
 
 
 # The generation prompt of Qwen3's chat template, as ZImagePipeline applies it (enable_thinking):
@@ -221,7 +255,7 @@ def _umt5_encoder(d_model: int = 32) -> Any:
     return UMT5EncoderModel(UMT5Config(**_t5_settings(d_model)))
 
 
-def _qwen_vl(vocab_size: int, hidden: int = 32) -> Any:
+def _qwen_vl(vocab_size: int, hidden: int = 32, tokens: dict[str, int] | None = None) -> Any:
     """A 2-layer Qwen2.5-VL (1-block vision tower) whose last hidden states are the prompt
     embeddings; mrope_section sums to half the head size (8 / 2)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -248,7 +282,7 @@ def _qwen_vl(vocab_size: int, hidden: int = 32) -> Any:
         "out_hidden_size": hidden,
         "fullatt_block_indexes": [0],
     }
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **(tokens or {}))
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
@@ -565,6 +599,52 @@ def _wan_transformer(text_dim: int) -> Any:
     )
 
 
+def _wan_i2v_transformer(text_dim: int, image_dim: int | None) -> Any:
+    """The 2-block Wan transformer of I2V: 4 + 4 + 4 input channels (noisy latents, the
+    first-frame mask over the VAE's 4x temporal compression, the condition latents), and with
+    `image_dim` the CLIP image embeddings' projection and added K/V (Wan 2.1 I2V)."""
+    from diffusers import WanTransformer3DModel
+
+    extra = {} if image_dim is None else {"image_dim": image_dim, "added_kv_proj_dim": 32}
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=12,
+        out_channels=4,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=32,
+        **extra,
+    )
+
+
+def _clip_vision(hidden: int = 32) -> Any:
+    """A 2-layer CLIPVisionModel on 32 px images in 8 px patches (17 tokens with the class one)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    return CLIPVisionModel(config)
+
+
+def _clip_image_processor() -> Any:
+    """CLIP's image processing (bicubic resize, center crop, CLIP's mean / std) at 32 px; the
+    PIL class, saved as `CLIPImageProcessor` as the Hub's folders name it (no torchvision)."""
+    from transformers import CLIPImageProcessorPil
+
+    return CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+
+
 def _wan_unipc() -> Any:
     """Wan 2.1's scheduler config: UniPC on flow sigmas shifted by flow_shift 3 (480p)."""
     from diffusers import UniPCMultistepScheduler
@@ -698,6 +778,52 @@ def _qwenimage_parts() -> tuple[str, Builders, dict[str, Any]]:
     return "QwenImagePipeline", builders, {}
 
 
+def _qwenimage_edit_parts(plus: bool) -> tuple[str, Builders, dict[str, Any]]:
+    """QwenImageEdit(Plus)Pipeline parts: Qwen-Image's, the tokenizer knowing the vision marks
+    and the text encoder their ids; the processor is written beside them (write_tiny_folder)."""
+    tokenizer = qwen_edit_tokenizer(plus)
+    ids = tokenizer.convert_tokens_to_ids
+    tokens = {
+        "image_token_id": ids("<|image_pad|>"),
+        "video_token_id": ids("<|video_pad|>"),
+        "vision_start_token_id": ids("<|vision_start|>"),
+        "vision_end_token_id": ids("<|vision_end|>"),
+    }
+    builders: Builders = {
+        "transformer": lambda: _qwen_transformer(joint_dim=32),
+        "vae": _qwen_vae,
+        "text_encoder": lambda: _qwen_vl(len(tokenizer), tokens=tokens),
+        "tokenizer": lambda: qwen_edit_tokenizer(plus),
+        "scheduler": _qwen_flow_match,
+    }
+    name = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
+    return name, builders, {"processor": None}
+
+
+def _write_vl_processor(folder: Path, tokenizer: Any) -> None:
+    """processor/ as Qwen-Image-Edit ships it (Qwen2VLProcessor: the tokenizer and Qwen2-VL's
+    image processor config), named in model_index.json; written without torchvision."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    out = folder / "processor"
+    shutil.rmtree(out, ignore_errors=True)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(out)
+    config = json.loads((out / "preprocessor_config.json").read_text())
+    config |= {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
 def _wan_parts() -> tuple[str, Builders, dict[str, Any]]:
     """WanPipeline parts (Wan 2.1 text-to-video): UMT5 (32) feeds the video transformer."""
     builders: Builders = {
@@ -756,6 +882,38 @@ def _wan22_parts() -> tuple[str, Builders, dict[str, Any]]:
     return "WanPipeline", builders, {"boundary_ratio": 0.875}
 
 
+def _wan_i2v_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """WanImageToVideoPipeline parts of Wan 2.1 I2V: a CLIP vision encoder (32) and its image
+    processor beside UMT5 (32) and the VAE; one 12-channel transformer."""
+    _, builders, _ = _wan_parts()
+    builders["transformer"] = lambda: _wan_i2v_transformer(text_dim=32, image_dim=32)
+    builders["image_encoder"] = _clip_vision
+    builders["image_processor"] = _clip_image_processor
+    return "WanImageToVideoPipeline", builders, {}
+
+
+def _name_clip_processor(folder: Path) -> None:
+    """model_index.json names the image processor `CLIPImageProcessor`, as the Hub's Wan 2.1 I2V
+    folders do (the PIL class saved it; its config file is the same)."""
+    import json
+
+    index = json.loads((folder / "model_index.json").read_text())
+    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def _wan22_i2v_parts() -> tuple[str, Builders, dict[str, Any]]:
+    """WanImageToVideoPipeline parts of Wan 2.2 I2V A14B: no image encoder, two 12-channel
+    experts switched at boundary_ratio 0.875."""
+    _, builders, _ = _wan_parts()
+    builders["transformer"] = lambda: _wan_i2v_transformer(text_dim=32, image_dim=None)
+    builders["transformer_2"] = lambda: _other_expert(
+        _wan_i2v_transformer(text_dim=32, image_dim=None)
+    )
+    extra = {"image_encoder": None, "image_processor": None, "boundary_ratio": 0.875}
+    return "WanImageToVideoPipeline", builders, extra
+
+
 PARTS = {
     "sd": lambda: _sd_parts(v_prediction=False),
     "sd2": lambda: _sd_parts(v_prediction=True),
@@ -764,8 +922,12 @@ PARTS = {
     "flux": _flux_parts,
     "flux_kontext": _flux_kontext_parts,
     "qwenimage": _qwenimage_parts,
+    "qwenimage_edit": lambda: _qwenimage_edit_parts(plus=False),
+    "qwenimage_edit_plus": lambda: _qwenimage_edit_parts(plus=True),
     "wan": _wan_parts,
     "wan22": _wan22_parts,
+    "wan_i2v": _wan_i2v_parts,
+    "wan22_i2v": _wan22_i2v_parts,
     "zimage": _zimage_parts,
     "flux2": _flux2_parts,
 }
@@ -795,6 +957,10 @@ def write_tiny_folder(
     for name in pipe.components:  # no stale shards or index from an earlier write survive
         shutil.rmtree(folder / name, ignore_errors=True)
     pipe.save_pretrained(folder)
+    if kind in QWEN_EDIT_KINDS:
+        _write_vl_processor(folder, pipe.tokenizer)
+    if kind == "wan_i2v":
+        _name_clip_processor(folder)
     if max_shard_size is not None:
         name = "unet" if hasattr(pipe, "unet") else "transformer"
         shutil.rmtree(folder / name)

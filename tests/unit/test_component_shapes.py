@@ -24,7 +24,7 @@ from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.preflight import preflight
 from tests.helpers.tiny_diffusers import write_tiny_folder
 
-FAMILIES = ("sd", "sdxl", "sd3", "flux", "qwenimage", "wan", "zimage", "flux2")
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "qwenimage", "wan", "zimage", "flux2", "wan_i2v")
 
 
 @pytest.fixture(scope="module")

@@ -531,16 +531,19 @@ def test_the_folder_names_the_family_each_pipeline_class_has():
         flux2,
         flux_kontext,
         qwenimage,
+        qwenimage_edit,
         sd,
         sd3,
         sdxl,
         wan,
+        wan_i2v,
         zimage,
     )
     from splitstage.pipelines.diffusers.folder import PIPELINE_FAMILIES
 
     families = (sd.SDFamily, sdxl.SDXLFamily, sd3.SD3Family, flux.FluxFamily)
     families += (qwenimage.QwenImageFamily, wan.WanFamily, zimage.ZImageFamily, flux2.Flux2Family)
-    families += (flux_kontext.FluxKontextFamily,)
+    families += (flux_kontext.FluxKontextFamily, qwenimage_edit.QwenImageEditFamily)
+    families += (wan_i2v.WanI2VFamily,)
     expected = {cls: family.name for family in families for cls in family.pipeline_classes}
     assert expected == PIPELINE_FAMILIES

@@ -15,7 +15,7 @@ from tests.helpers.memory_jobs import close, family_job
 
 
 @pytest.mark.parametrize(
-    "family", ["sd", "sdxl", "sd3", "flux", "qwenimage", "wan", "zimage", "flux2"]
+    "family", ["sd", "sdxl", "sd3", "flux", "qwenimage", "wan", "zimage", "flux2", "wan_i2v"]
 )
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, family):
     write_digits_dataset(tmp_path / "data", limit=4, size=32)

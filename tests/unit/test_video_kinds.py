@@ -130,7 +130,7 @@ def test_video_rows_are_refused_before_stage_1_for_an_image_family(tmp_path):
         DataError,
         match=r"^metadata.csv row 3 \(clips/a.mp4\), metadata.csv row 4 \(clips/a.mp4\): video "
         r"files, but the 'sd' family trains on images; video rows train with 'wan' or "
-        r"'diffsynth' with pipeline_class = 'WanVideoPipeline': set pipeline.name",
+        r"'wan_i2v' or 'diffsynth' with pipeline_class = 'WanVideoPipeline': set pipeline.name",
     ):
         check_rows(sd, rows)
     check_rows(config_from_dict({"pipeline": {"name": "wan", "pretrained": str(tmp_path)}}), rows)

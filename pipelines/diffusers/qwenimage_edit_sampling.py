@@ -1,0 +1,60 @@
+"""Qwen-Image-Edit's sampler: QwenImageEdit(Plus)Pipeline's denoising loop given reference latents.
+
+The packed reference tokens follow the noisy tokens at every step, with their own img_shapes
+entries, and each prediction is cut back to the noisy tokens before the scheduler step; the
+shift is computed from the noisy tokens alone and true CFG rescales as the pipelines do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from splitstage.pipelines.diffusers.qwenimage_latents import pack, unpack
+from splitstage.pipelines.diffusers.qwenimage_sampling import image_shift, true_cfg
+from splitstage.pipelines.family import input_dtype
+from splitstage.pipelines.runtime import StepContext
+
+
+def edit_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, guidance, size):
+    """Latents [B, C, H/8, W/8] of images `size` (height, width) for each row of `cond` (prompt
+    embeddings, mask and the family's reference slots, [B, C, h, w] each or empty), guided by
+    `uncond` when guidance > 1 (the pipelines' true_cfg_scale)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    model = ctx.model(family.denoiser, "sample")
+    dtype = input_dtype(model)
+    config = family.scheduler_config
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    count = cond["prompt_embeds"].shape[0]
+    channels = int(family.vae_config["z_dim"])
+    height, width = size[0] // family.vae_scale, size[1] // family.vae_scale
+    noise = torch.randn(count, channels, height, width, generator=generator).to(ctx.device)
+    refs = [cond[slot].to(ctx.device, torch.float32) for slot in family.reference_slots]
+    refs = [ref for ref in refs if ref.shape[-1]]
+    ref_tokens = [pack(ref).to(dtype) for ref in refs]
+    shapes = [
+        (1, height // 2, width // 2),
+        *((1, r.shape[-2] // 2, r.shape[-1] // 2) for r in refs),
+    ]
+    x = pack(noise)
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    scheduler.set_timesteps(sigmas=sigmas, mu=image_shift(config, x.shape[1]), device=ctx.device)
+    scheduler.set_begin_index(0)
+
+    def velocity(latents: torch.Tensor, t: torch.Tensor, text) -> torch.Tensor:
+        return model(
+            hidden_states=torch.cat([latents.to(dtype), *ref_tokens], dim=1),
+            timestep=(t.expand(count).to(latents.dtype) / 1000).to(dtype),
+            encoder_hidden_states=text["prompt_embeds"].to(ctx.device, dtype),
+            encoder_hidden_states_mask=text["prompt_embeds_mask"].to(ctx.device),
+            img_shapes=[shapes] * count,
+            return_dict=False,
+        )[0][:, : latents.shape[1]].float()
+
+    for t in scheduler.timesteps:
+        v = velocity(x, t, cond)
+        if guidance > 1:
+            v = true_cfg(v, velocity(x, t, uncond), guidance)
+        x = scheduler.step(v, t, x, return_dict=False)[0]
+    return unpack(x, height, width)
