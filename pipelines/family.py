@@ -69,6 +69,7 @@ class Family:
     # Whether the memory plan can step its units on fake models (they take models from the
     # step's context, not from an object of their own that loads them).
     fake_steps: ClassVar[bool] = True
+    no_fake_steps_because: ClassVar[str] = "its units load their own models"
     # The reference images ('edit_image') a row carries beside its target, and their size;
     # None: the family takes none, and rows with them are refused before stage 1.
     reference_images: ClassVar[ReferenceImages | None] = None
@@ -107,6 +108,17 @@ class Family:
         overrides this)."""
         rule = cls.reference_images
         check_reference_rows(rows, rule, config.pipeline.name, reference_takers)
+
+    def most_references(self) -> int:
+        """How many reference images this job's rows may carry at most (the memory plan sizes
+        its sample by it); 0 for a family that takes none."""
+        rule = self.reference_images
+        return rule.most if rule is not None else 0
+
+    def longest_prompt(self, row: Row, base_path: str | Path | DataSource) -> str:
+        """The longest head of the row's prompt this family takes (the memory plan's prompt);
+        the whole prompt where longer ones are cut to the limit, as the text units do."""
+        return row.prompt
 
     def load_sample(self, row: Row, base_path: str | Path | DataSource) -> dict[str, Any]:
         """What one data row becomes: the pipeline inputs of one sample (tensors and values).

@@ -84,6 +84,7 @@ class DiffSynthFamily(Family):
     """A DiffSynth pipeline class built from local model files; its units, model_fn and loss."""
 
     fake_steps = False  # its units call DiffSynth's pipeline object, which loads its models
+    no_fake_steps_because = "its units call DiffSynth's pipeline object, which loads its models"
 
     name = "diffsynth"
     default_lora_targets = ()

@@ -15,6 +15,7 @@ an empty tensor).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,11 @@ class QwenImageEditFamily(QwenImageFamily):
     name = "qwenimage_edit"
     pipeline_classes = ("QwenImageEditPipeline", PLUS)
     tasks = ("sft",)
+    fake_steps = False
+    no_fake_steps_because = (
+        "Qwen2.5-VL finds the images' tokens in the prompt by value (nonzero), which fake "
+        "tensors cannot; size a run from its first steps' peak instead"
+    )
     shape_links = QwenImageFamily.shape_links  # the same parts hand each other the same widths
     # Sized on their own (the config's reference_max_pixels): the cache groups by their shape.
     reference_images = ReferenceImages(
@@ -97,6 +103,26 @@ class QwenImageEditFamily(QwenImageFamily):
     def reference_slots(self) -> tuple[str, ...]:
         """The cached reference params: one per reference a row may have."""
         return SLOTS if self.plus else SLOTS[:1]
+
+    def longest_prompt(self, row: Row, base_path: str | Path) -> str:
+        """The longest head (whole words) of the row's prompt that fits max_prompt_length with
+        the row's references (a longer one is refused, not cut: see `load_sample`)."""
+        words = row.prompt.split()
+        low, high = 0, len(words)
+        while low < high:  # the most words that still load
+            middle = (low + high + 1) // 2
+            try:
+                self.load_sample(replace(row, prompt=" ".join(words[:middle])), base_path)
+                low = middle
+            except ConfigError as error:
+                if not str(error).startswith("pipeline.max_prompt_length:"):
+                    raise
+                high = middle - 1
+        return " ".join(words[:low])
+
+    def most_references(self) -> int:
+        """One per cached reference slot: three for Plus, one for the single-image pipeline."""
+        return len(self.reference_slots)
 
     @property
     def denoiser_params(self) -> tuple[str, ...]:  # type: ignore[override]

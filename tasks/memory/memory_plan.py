@@ -152,8 +152,8 @@ def estimate_memory(
     config = plan.config
     if not plan.family.fake_steps:
         raise NotImplementedError(
-            f"the {plan.family.name} family's units load their own models, so they cannot run "
-            "on fake ones"
+            f"the {plan.family.name} family cannot step on fake tensors: "
+            f"{plan.family.no_fake_steps_because}"
         )
     device = device or pick_device()
     sample = synthetic_sample(plan)

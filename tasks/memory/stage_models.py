@@ -4,6 +4,7 @@ synthetic sample of the job's largest image or clip that stage 1 turns into a ca
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,15 @@ def largest_size(plan: JobPlan) -> tuple[int, int] | None:
 
 def synthetic_sample(plan: JobPlan) -> dict[str, Any]:
     """One sample as the family loads it from a row: an image of the largest size (a clip of
-    `[data.video] num_frames` frames for a video family) and a prompt longer than any limit."""
+    `[data.video] num_frames` frames for a video family), as many reference images of that size
+    as a row may carry, and a prompt longer than any limit."""
     height, width = largest_size(plan) or (64, 64)
+    references = tuple(f"reference{i}.png" for i in range(plan.family.most_references()))
     with tempfile.TemporaryDirectory(prefix="splitstage-memory-") as folder:
-        Image.new("RGB", (width, height), (127, 96, 64)).save(Path(folder) / PLAN_IMAGE)
-        row = Row(line=1, image=PLAN_IMAGE, prompt=LONG_PROMPT, source="the memory plan")
+        for name in (PLAN_IMAGE, *references):  # references as large as the target: the most
+            Image.new("RGB", (width, height), (127, 96, 64)).save(Path(folder) / name)
+        row = Row(1, PLAN_IMAGE, LONG_PROMPT, source="the memory plan", references=references)
+        row = replace(row, prompt=plan.family.longest_prompt(row, folder))
         sample = plan.family.load_sample(row, folder)
     return as_clip(sample, plan.config.data.video.num_frames)
 

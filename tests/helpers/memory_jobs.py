@@ -8,6 +8,11 @@ from splitstage.pipelines.demo.weight_files import build_demo_weights
 from tests.helpers.tiny_diffusers import write_tiny_folder
 
 DENOISERS = {"sd": "unet", "sdxl": "unet"}
+FAMILY_OF = {"qwenimage_edit_plus": "qwenimage_edit"}  # tiny folder kind -> family
+# References sized as the tiny models take them (the pipelines' own areas are 1024² and 384²).
+PIPELINE_SETTINGS = {
+    "qwenimage_edit": {"reference_max_pixels": 64 * 64, "condition_max_pixels": 32 * 32}
+}
 TOLERANCE = 0.15  # the estimate's allowed distance from the measured peak
 
 
@@ -31,7 +36,9 @@ def family_job(root: Path, family: str, **train) -> dict:
         return document | {"trainable": {"lora_base_model": "dit", "lora_rank": 4}}
     if not (root / family / "model_index.json").is_file():
         write_tiny_folder(family, root / family)
-    document["pipeline"] = {"name": family, "pretrained": str(root / family), "resolution": 64}
+    name = FAMILY_OF.get(family, family)
+    document["pipeline"] = {"name": name, "pretrained": str(root / family), "resolution": 64}
+    document["pipeline"] |= PIPELINE_SETTINGS.get(name, {})
     if family in ("wan", "wan_i2v"):
         document["data"]["video"] = {"num_frames": 5}
     return document | {"trainable": {"lora_base_model": DENOISERS.get(family, "transformer")}}
