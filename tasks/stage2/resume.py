@@ -111,7 +111,17 @@ def run_settings(
         if train.ema is None
         else {"decay": train.ema.decay, "start_update": train.ema.start_update},
         "fit": fit,
+        "pipeline": step_settings(config),
     }
+
+
+def step_settings(config: SplitstageConfig) -> dict[str, Any]:
+    """The family's settings that do not change stage 1 (the training step's: caption dropout,
+    timestep weighting, SNR gamma, ...), as JSON values: a resume applies and says changes."""
+    group = config.pipeline
+    values = group.model_dump(mode="json")
+    stage1 = group.stage1_settings()
+    return {name: values[name] for name in group.settings() if name not in stage1}
 
 
 def compare(
@@ -141,6 +151,13 @@ def compare(
         f"applied from update {step} on"
         for k in APPLIED
         if k in saved and saved[k] != now[k]
+    ]
+    before, after = saved.get("pipeline") or {}, now.get("pipeline") or {}
+    applied += [
+        f"pipeline.{name} changed {before[name]!r} -> {after.get(name)!r} since checkpoint step "
+        f"{step}: applied from update {step} on"
+        for name in sorted(before)
+        if name in after and before[name] != after[name]
     ]
     return applied + ema_changes(saved, now, step=step)
 

@@ -156,3 +156,18 @@ def test_a_switched_task_is_refused_naming_the_field_and_how_to_start_fresh():
         {"base": identity(None)}, identity("sft"), step=3, checkpoint_url="ck"
     )
     assert "records no train.task" in unknown and "another --run-id" in unknown
+
+
+def test_the_training_steps_family_settings_are_applied_and_said():
+    """A family setting that does not change stage 1 (the demo's caption dropout) is the
+    training step's own: a resume applies the new value and says so; one that changes stage 1
+    is the cache key's, not recorded here."""
+    before = settings(pipeline={"caption_dropout": 0.0})
+    after = settings(pipeline={"caption_dropout": 0.2})
+    assert "caption_dropout" in before["pipeline"]
+    assert not set(before["pipeline"]) & set(config_from_dict({}).pipeline.stage1_settings())
+    (note,) = compare(before, after, step=4, checkpoint_url="ckpt")
+    assert note == (
+        "pipeline.caption_dropout changed 0.0 -> 0.2 since checkpoint step 4: applied from "
+        "update 4 on"
+    )
