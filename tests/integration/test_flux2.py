@@ -8,30 +8,30 @@ Flux2Pipeline.load_lora_weights reproduces.
 
 from __future__ import annotations
 
-import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from splitstage.config.job import ConfigError, config_from_dict
-from splitstage.data.dataset import load_metadata
-from splitstage.data.digits import write_digits_dataset
-from splitstage.pipelines.draws import Draws
-from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
-from splitstage.tasks.cache.validation_prompts import encode
+from splitstage.config.job import ConfigError
 from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.launch.launcher import train
-from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
-from splitstage.tasks.stage2.distributed import DistInfo
-from splitstage.tasks.stage2.models import build_stage2_models
-from tests.helpers.tiny_diffusers import write_tiny_folder
+from tests.helpers.diffusers_families import (
+    assert_only_stage_1_settings_key_the_cache,
+    assert_split_equals_unsplit_and_exports,
+    assert_the_encoders_are_cached,
+    assert_the_sampler_matches,
+    assert_two_ranks_give_the_one_rank_losses,
+    digits_and_folder,
+    drawn_step,
+    drop_chat_template,
+    lora_job,
+    split_run_of,
+    tiny_pipeline,
+    validate_refusal,
+)
 
 pytestmark = pytest.mark.slow
-ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-CPU = torch.device("cpu")
-ONE_CPU = DistInfo(0, 0, 1, CPU, "gloo")
 PROMPTS = ["a photo of the digit 3", "a cat"]
 LENGTH = 48  # max_prompt_length: the embeddings are padded to it, as the pipeline passes them
 
@@ -39,73 +39,25 @@ LENGTH = 48  # max_prompt_length: the embeddings are padded to it, as the pipeli
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """A captioned data set (4 digits) and the tiny FLUX.2 folder."""
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("flux2")
-    write_digits_dataset(root / "data", limit=4, size=32)
-    write_tiny_folder("flux2", root / "flux2")
-    return root
+    return digits_and_folder(tmp_path_factory, "flux2")
 
 
 def job(root: Path, name: str, *, pipeline=None, **train):
-    """A LoRA job (rank 4, alpha 8) on the tiny folder at 64 px, fp32."""
-    settings = {"name": "flux2", "pretrained": str(root / "flux2"), "resolution": 64}
-    settings |= {"precision": "fp32", "max_prompt_length": LENGTH} | (pipeline or {})
-    return config_from_dict(
-        {
-            "job": {"name": name, "seed": 3},
-            "pipeline": settings,
-            "trainable": {"lora_base_model": "transformer", "lora_rank": 4, "lora_alpha": 8},
-            "data": {"base_path": str(root / "data")},
-            "cache": {"url": str(root / "cache"), "shard_samples": 4},
-            "train": {"batch_size": 2, "max_steps": 2, "log_every": 1, "learning_rate": 1e-2}
-            | train,
-            "output": {"url": str(root / "out")},
-        }
-    )
+    """A LoRA job on the tiny folder (see lora_job), prompts padded to LENGTH tokens."""
+    pipeline = {"max_prompt_length": LENGTH} | (pipeline or {})
+    return lora_job(root, "flux2", name, pipeline=pipeline, **train)
 
 
 def pipeline(root: Path):
     """Flux2Pipeline from the same folder (offline)."""
-    from diffusers import Flux2Pipeline
-
-    pipe = Flux2Pipeline.from_pretrained(root / "flux2")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def drawn_step(plan, denoiser, seed: int = 5):
-    """Two images captioned PROMPTS (of unlike lengths) through stage 1 and the per-step units,
-    then one drawn training step."""
-    family = plan.family
-    base = plan.config.data.base_path
-    batch = collate_samples([family.load_sample(r, base) for r in load_metadata(base)[:2]])
-    batch["prompt"] = list(PROMPTS)
-    frozen = {name: family.build_model(name, CPU) for name in plan.split.models["stage1"]}
-    settings = family.settings()
-    run_units(plan.v2_units, StepContext(frozen, CPU, settings=settings), batch)
-    ctx = StepContext(
-        {family.denoiser: denoiser},
-        CPU,
-        Draws.shared(torch.Generator().manual_seed(seed)),
-        settings,
-    )
-    run_units(plan.v1_units, ctx, batch)
-    return batch, ctx, family.training_step(ctx, batch)
+    return tiny_pipeline(root, "Flux2Pipeline", "flux2")
 
 
 def test_the_plan_caches_prompt_and_vae_encoding_and_trains_the_transformer(root):
     plan = make_plan(job(root, "plan"))
-    assert list(plan.split.v2) == ["PromptEncoder", "VAEEncoder"]
-    assert list(plan.split.v1) == ["LatentSampler", "CaptionDropout"]  # fresh every step
-    cached = set(plan.split.boundary_params)
-    assert {"prompt_embeds", "empty_prompt_embeds"} <= cached
-    assert {"latent_mean", "latent_logvar"} <= cached
-    assert sorted(plan.split.models["stage1"]) == ["text_encoder", "vae"]
-    assert plan.split.models["stage2"] == ("transformer",)
-    longer = make_plan(job(root, "plan", pipeline={"max_prompt_length": LENGTH + 1}))
-    assert longer.cache_key != plan.cache_key
+    assert_the_encoders_are_cached(plan, {"prompt_embeds", "empty_prompt_embeds"})
     per_step = {"caption_dropout": 0.5, "weighting_scheme": "logit_normal"}
-    assert make_plan(job(root, "plan", pipeline=per_step)).cache_key == plan.cache_key
+    assert_only_stage_1_settings_key_the_cache(job, root, plan, per_step)
 
 
 def test_the_training_loss_is_the_diffusers_computation(root):
@@ -118,7 +70,7 @@ def test_the_training_loss_is_the_diffusers_computation(root):
     family = plan.family
     pipe = pipeline(root)
     transformer = pipe.transformer
-    batch, ctx, step = drawn_step(plan, transformer)
+    batch, ctx, step = drawn_step(plan, transformer, PROMPTS)
     with torch.no_grad():
         ours = family.loss(family.denoise(ctx, step), step)
 
@@ -159,99 +111,29 @@ def test_the_training_loss_is_the_diffusers_computation(root):
     assert ours.item() == pytest.approx(loss.item(), rel=1e-5)
 
 
-def ours(plan, seed: int) -> torch.Tensor:
-    """Our sampler + decoder on the folder's frozen models, images in [0, 1]."""
-    family = plan.family
-    models = {name: family.build_model(name, CPU) for name in family.prompt_models()}
-    cond, uncond = encode(plan, models, CPU, PROMPTS, ["", ""])
-    models[family.denoiser] = family.build_model(family.denoiser, CPU)
-    ctx = StepContext(models, CPU, settings=family.settings())
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        latents = family.sample(
-            ctx, cond, uncond, generator, steps=3, guidance=family.default_guidance
-        )
-        return (family.decode(family.load_decoder(CPU), latents) + 1) / 2
-
-
 def test_the_sampler_matches_the_flux2_pipeline(root):
     plan = make_plan(job(root, "sample"))
-    mine = ours(plan, seed=4)
-    assert torch.equal(mine, ours(plan, seed=4))
-    assert not torch.equal(mine, ours(plan, seed=5))
-    generator = torch.Generator().manual_seed(4)
-    noise = torch.randn(2, 16, 4, 4, generator=generator)
-    theirs = pipeline(root)(
-        prompt=list(PROMPTS),
-        guidance_scale=plan.family.default_guidance,
-        latents=noise,  # the pipeline packs them
-        num_inference_steps=3,
-        height=64,
-        width=64,
-        max_sequence_length=LENGTH,
-        output_type="pt",
-    ).images
-    torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=0)
-
-
-def trained_from_checkpoint(config, report):
-    """The transformer as the run left it: meta build, LoRA, load, its last DCP checkpoint."""
-    plan = make_plan(config)
-    stage2 = build_stage2_models(plan, ONE_CPU)
-    step = latest_checkpoint(report.checkpoint_url, clean=False)
-    model = stage2.models["transformer"]
-    load_checkpoint(report.checkpoint_url, step, model, None, restore_rng=False)
-    return plan, model
-
-
-def run(config, root: Path):
-    """Train through the real launcher (torchrun, gloo)."""
-    return train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    noise = torch.randn(2, 16, 4, 4, generator=torch.Generator().manual_seed(4))  # it packs them
+    guidance = {"guidance_scale": plan.family.default_guidance}
+    assert_the_sampler_matches(plan, partial(pipeline, root), PROMPTS, noise, **guidance)
 
 
 @pytest.fixture(scope="module")
 def split_run(root):
     """(config, report) of plan -> preprocess -> split training on one torchrun rank."""
-    config = job(root, "split", pipeline={"caption_dropout": 0.5})
-    assert preprocess(config, workers=1, progress=False).computed == 4
-    return config, run(config, root)
+    return split_run_of(job, root)
 
 
 def test_two_fsdp_ranks_give_the_one_rank_losses(root, split_run):
     """FSDP2 with one sample per rank: the per-sample draws make the update the same."""
-    config, report = split_run
-    two = job(
-        root,
-        "split-fsdp",
-        pipeline={"caption_dropout": 0.5},
-        parallelism="fsdp",
-        nproc_per_node=2,
-        batch_size=1,
-    )
-    assert run(two, root).losses == pytest.approx(report.losses, rel=1e-5)
+    assert_two_ranks_give_the_one_rank_losses(job, root, split_run, "fsdp", 1)
 
 
 def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root, split_run):
-    config, report = split_run
-    assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
-    assert report.models_loaded == ["transformer"]
-    unsplit = job(root, "unsplit", pipeline={"caption_dropout": 0.5}, mode="unsplit")
-    assert run(unsplit, root).losses == pytest.approx(report.losses, rel=1e-5)
-
-    plan, trained = trained_from_checkpoint(config, report)
-    _, ctx, step = drawn_step(plan, trained)
-    with torch.no_grad():
-        expected = plan.family.denoise(ctx, step)
+    _, report = split_run
     assert set(report.outputs) == {"transformer"}  # no kohya file: see Flux2Family
-    for lora in (Path(report.outputs["transformer"]).parent,):
-        pipe = pipeline(root)
-        with torch.no_grad():
-            base = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
-        assert not torch.allclose(base, expected, atol=1e-5)  # the LoRA learned something
-        pipe.load_lora_weights(str(lora))
-        with torch.no_grad():
-            loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
-        torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
+    load = partial(pipeline, root)
+    assert_split_equals_unsplit_and_exports(job, root, split_run, PROMPTS, load, ["transformer"])
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused_by_validate(root, tmp_path):
@@ -260,33 +142,14 @@ def test_a_tokenizer_without_a_chat_template_is_refused_by_validate(root, tmp_pa
     the hidden states the pipeline reads, a VAE file without its batch-norm statistics, and
     tensor parallelism (no plan yet)."""
     import json
-    import os
     import shutil
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file, save_file
 
     folder = shutil.copytree(root / "flux2", tmp_path / "flux2")
-    settings = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
-    settings.pop("chat_template", None)
-    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(settings))
-    for extra in ("chat_template.jinja", "chat_template.json"):
-        (folder / "tokenizer" / extra).unlink(missing_ok=True)
-    config = tmp_path / "job.toml"
-    config.write_text(
-        f'[pipeline]\nname = "flux2"\npretrained = "{folder}"\nresolution = 64\n'
-        f'[trainable]\nlora_base_model = "transformer"\n'
-        f'[data]\nbase_path = "{root / "data"}"\n[cache]\nurl = "{tmp_path / "cache"}"\n'
-        f'[output]\nurl = "{tmp_path / "out"}"\n'
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "splitstage.cli", "validate", str(config)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    lines = [line for line in done.stderr.split("\n") if line and "\r" not in line]
-    assert done.returncode == 2, done.stderr
-    assert len(lines) == 1 and lines[0].startswith("splitstage: error: "), done.stderr
-    assert "pipeline.pretrained" in lines[0] and "chat_template" in lines[0]
+    drop_chat_template(folder)
+    line = validate_refusal(tmp_path, "flux2", folder, root / "data")
+    assert "pipeline.pretrained" in line and "chat_template" in line
 
     shutil.rmtree(folder / "tokenizer")
     shutil.copytree(root / "flux2" / "tokenizer", folder / "tokenizer")

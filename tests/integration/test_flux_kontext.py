@@ -14,22 +14,23 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from splitstage.config.job import config_from_dict
 from splitstage.data.dataset import DataError, load_metadata
 from splitstage.data.digits import write_digits_dataset
-from splitstage.pipelines.draws import Draws
-from splitstage.pipelines.runtime import StepContext, collate_samples, run_units
+from splitstage.pipelines.runtime import StepContext
 from splitstage.tasks.job_plan import make_plan
-from splitstage.tasks.launch.launcher import train
 from splitstage.tasks.stage1.preprocess import preprocess
-from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint
-from splitstage.tasks.stage2.distributed import DistInfo
-from splitstage.tasks.stage2.models import build_stage2_models
+from tests.helpers.diffusers_families import (
+    CPU,
+    drawn_step,
+    lora_job,
+    predict,
+    run,
+    tiny_pipeline,
+    trained_from_checkpoint,
+)
 from tests.helpers.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
-ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-ONE_CPU = DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
 
 
 def _with_references(data: Path) -> None:
@@ -66,66 +67,43 @@ def job(
     skip: bool = False,
     **train,
 ):
-    """A LoRA job (rank 4, alpha 8) on the family's tiny folder at 64 px."""
-    pipeline = {"name": family, "pretrained": str(root / family), "resolution": 64}
-    pipeline |= {"caption_dropout": 0.25, "precision": "fp32", "max_prompt_length": 16}
-    return config_from_dict(
-        {
-            "job": {"name": name, "seed": 3},
-            "pipeline": pipeline,
-            "trainable": {"lora_base_model": "transformer", "lora_rank": 4, "lora_alpha": 8},
-            "data": {"base_path": str(root / data), "skip_bad_rows": skip},
-            "cache": {"url": str(root / f"cache-{name}"), "shard_samples": 4},
-            "train": {"batch_size": 4, "max_steps": 2, "log_every": 1, "learning_rate": 1e-3}
-            | train,
-            "output": {"url": str(root / "out")},
-        }
+    """A LoRA job on the family's tiny folder (see lora_job): caption dropout 0.25, prompts 16
+    tokens at most, root/data's rows (`skip` bad ones), a cache of its own, batches of 4 at
+    learning rate 1e-3."""
+    return lora_job(
+        root,
+        family,
+        name,
+        pipeline={"caption_dropout": 0.25, "max_prompt_length": 16},
+        data={"base_path": str(root / data), "skip_bad_rows": skip},
+        cache={"url": str(root / f"cache-{name}")},
+        **{"batch_size": 4, "learning_rate": 1e-3} | train,
     )
 
 
-def fixed_step(plan, config, denoiser):
-    """Two rows through stage 1 and the per-step units, and one drawn training step."""
-    family = plan.family
-    base = config.data.base_path
-    batch = collate_samples([family.load_sample(r, base) for r in load_metadata(base)[:2]])
-    frozen = {n: family.build_model(n, ONE_CPU.device) for n in plan.split.models["stage1"]}
-    settings = family.settings()
-    run_units(plan.v2_units, StepContext(frozen, ONE_CPU.device, settings=settings), batch)
-    draws = Draws.shared(torch.Generator().manual_seed(5))
-    ctx = StepContext({family.denoiser: denoiser}, ONE_CPU.device, draws, settings)
-    run_units(plan.v1_units, ctx, batch)
-    return batch, family.training_step(ctx, batch)
-
-
-def predict(plan, denoiser, step) -> torch.Tensor:
-    ctx = StepContext({plan.family.denoiser: denoiser}, ONE_CPU.device)
-    with torch.no_grad():
-        return plan.family.denoise(ctx, step)
+def pipeline(root: Path):
+    """FluxKontextPipeline from the tiny folder (offline)."""
+    return tiny_pipeline(root, "FluxKontextPipeline", "flux_kontext")
 
 
 def test_split_training_equals_unsplit_and_its_lora_loads_into_flux_kontext(root):
-    from diffusers import FluxKontextPipeline
-
     config = job(root, "kontext-split")
     plan = make_plan(config)
     assert list(plan.split.v2) == ["PromptEncoder", "VAEEncoder", "ReferenceEncoder"]
     assert "reference_latents" in plan.split.boundary_params
     assert preprocess(config, workers=1, progress=False).computed == 8
-    report = train(config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    report = run(config, root)
     assert report.updates == 2 and all(math.isfinite(loss) for loss in report.losses)
     assert report.models_loaded == ["transformer"]  # stage 2 never opens the VAE or the images
 
     unsplit_config = job(root, "kontext-unsplit", mode="unsplit")
-    unsplit = train(unsplit_config, run_root=root / "runs", env=ENV, on_line=lambda line: None)
+    unsplit = run(unsplit_config, root)
     assert unsplit.losses == pytest.approx(report.losses, rel=1e-5)
 
-    stage2 = build_stage2_models(make_plan(config), ONE_CPU)
-    trained = stage2.models["transformer"]
-    step_no = latest_checkpoint(report.checkpoint_url, clean=False)
-    load_checkpoint(report.checkpoint_url, step_no, trained, None, restore_rng=False)
-    _, step = fixed_step(plan, config, trained)
+    _, trained = trained_from_checkpoint(config, report)
+    _, _, step = drawn_step(plan, trained)
     expected = predict(plan, trained, step)
-    pipe = FluxKontextPipeline.from_pretrained(root / "flux_kontext")
+    pipe = pipeline(root)
     base = predict(plan, pipe.transformer, step)
     assert not torch.allclose(base, expected, atol=1e-6)  # the LoRA changes the prediction
     pipe.load_lora_weights(Path(report.outputs["transformer"]).parent)
@@ -135,12 +113,10 @@ def test_split_training_equals_unsplit_and_its_lora_loads_into_flux_kontext(root
 def test_the_denoiser_inputs_are_laid_out_as_flux_kontext_pipeline_lays_them_out(root):
     """Reference latents, their tokens after the noisy ones and their ids (first coordinate 1)
     equal what FluxKontextPipeline gives its transformer for the same reference image."""
-    from diffusers import FluxKontextPipeline
-
     config = job(root, "kontext-layout")
     plan = make_plan(config)
-    pipe = FluxKontextPipeline.from_pretrained(root / "flux_kontext")
-    batch, step = fixed_step(plan, config, pipe.transformer)
+    pipe = pipeline(root)
+    batch, _, step = drawn_step(plan, pipe.transformer)
     seen = {}
 
     def keep(module, args, kwargs):
@@ -223,19 +199,17 @@ def test_an_undecodable_reference_is_a_bad_row_in_stage_1(root):
 def test_sampling_with_reference_latents_equals_flux_kontext_pipeline(root):
     """Given a reference's latents, the family's sampler gives FluxKontextPipeline's latents for
     the same prompt, reference image, generator and steps."""
-    from diffusers import FluxKontextPipeline
-
     from splitstage.data.images import image_to_tensor
     from splitstage.pipelines.diffusers.flux_kontext import encode_references
     from splitstage.pipelines.diffusers.packing import pack
 
     config = job(root, "kontext-sample")
     family = make_plan(config).family
-    pipe = FluxKontextPipeline.from_pretrained(root / "flux_kontext")
+    pipe = pipeline(root)
     row = load_metadata(config.data.base_path)[0]
     reference = Image.open(Path(config.data.base_path) / row.references[0]).convert("RGB")
     models = {name: getattr(pipe, name) for name in family.model_names}
-    ctx = StepContext(models, ONE_CPU.device, settings=family.settings())
+    ctx = StepContext(models, CPU, settings=family.settings())
     with torch.no_grad():
         cond = family.prompt_conditioning(ctx, [row.prompt])
         cond |= encode_references(ctx, image_to_tensor(reference).unsqueeze(0))

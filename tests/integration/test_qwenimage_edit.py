@@ -337,3 +337,26 @@ def test_a_16_bit_reference_keeps_its_pixels():
     Image.fromarray(np.full((8, 8), 40000, np.uint16)).save(out, format="PNG")
     image = as_rgb8(open_image(out.getvalue(), "row 2", "ref.png"))
     assert image.mode == "RGB" and image.getpixel((0, 0)) == (156, 156, 156)  # 40000/65535
+
+
+def test_a_resumed_edit_run_ends_bitwise_where_an_uninterrupted_one_does(root):
+    """Nothing of a reference family's step lives outside the checkpoint: 2 updates, then a
+    resume to 4, give the losses and the LoRA of 4 updates in one go, bit for bit."""
+    from safetensors.torch import load_file
+
+    config = job(root, "plus-resume", folder="plus", data="data2", max_steps=4)
+    assert preprocess(config, workers=1, progress=False).computed == 8
+    straight = train(config, run_root=root / "runs-straight", env=ENV, on_line=lambda line: None)
+    elsewhere = {"output": {"url": str(root / "out-resumed")}}  # its own checkpoints
+    halted = job(root, "plus-resume", "plus", "data2", extra=elsewhere, max_steps=2)
+    first = train(halted, run_root=root / "runs-resumed", env=ENV, on_line=lambda line: None)
+    again = job(root, "plus-resume", "plus", "data2", extra=elsewhere, max_steps=4)
+    lines: list[str] = []
+    resumed = train(again, run_root=root / "runs-resumed", env=ENV, on_line=lines.append)
+    assert any("resumed from checkpoint step 2" in line for line in lines), lines[-5:]
+    assert first.losses + resumed.losses[-2:] == straight.losses
+    ours, theirs = (
+        load_file(resumed.outputs["transformer"]),
+        load_file(straight.outputs["transformer"]),
+    )
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,29 +23,33 @@ from torch import nn
 
 pytest.importorskip("av")
 
-from splitstage.config.job import ConfigError, config_from_dict  # noqa: E402
+from splitstage.config.job import ConfigError  # noqa: E402
 from splitstage.data.dataset import load_metadata  # noqa: E402
 from splitstage.data.index import index_data_set  # noqa: E402
 from splitstage.pipelines.draws import Draws  # noqa: E402
-from splitstage.pipelines.runtime import StepContext, collate_samples, run_units  # noqa: E402
-from splitstage.tasks.cache.validation_prompts import encode  # noqa: E402
+from splitstage.pipelines.runtime import StepContext  # noqa: E402
 from splitstage.tasks.job_plan import make_plan, open_cache  # noqa: E402
-from splitstage.tasks.launch.launcher import train  # noqa: E402
 from splitstage.tasks.stage1.preprocess import preprocess  # noqa: E402
-from splitstage.tasks.stage2.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
-from splitstage.tasks.stage2.distributed import DistInfo  # noqa: E402
-from splitstage.tasks.stage2.models import build_stage2_models  # noqa: E402
 from splitstage.tasks.stage2.parallelize import find_blocks  # noqa: E402
 from splitstage.tasks.stage2.preflight import preflight  # noqa: E402
+from tests.helpers.diffusers_families import (  # noqa: E402
+    CPU,
+    assert_exports_reproduce,
+    assert_loras_load,
+    assert_the_encoders_are_cached,
+    drawn_step,
+    lora_job,
+    predict,
+    run,
+    sampled,
+    tiny_pipeline,
+)
 from tests.helpers.stage2_step import seed_adapters, trained_model  # noqa: E402
 from tests.helpers.tiny_diffusers import write_tiny_folder  # noqa: E402
 from tests.helpers.video_files import write_video  # noqa: E402
 from tests.helpers.wandb_records import history  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ENV = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-CPU = torch.device("cpu")
-ONE_CPU = DistInfo(0, 0, 1, CPU, "gloo")
 PROMPTS = ["a photo of the digit 3", "a cat"]
 LENGTH = 24  # max_prompt_length: longer than both prompts, so the embeddings are zero-padded
 FRAMES = 5  # 4k+1: two latent frames
@@ -87,69 +92,31 @@ def job(
     cache=None,
     **train,
 ):
-    """A LoRA job (rank 4, alpha 8) on the tiny folder: 64 px, 5-frame clips, fp32."""
-    settings = {"name": "wan", "pretrained": str(root / "wan"), "resolution": SIDE}
-    settings |= {"precision": "fp32", "max_prompt_length": LENGTH} | (pipeline or {})
-    return config_from_dict(
-        {
-            "job": {"name": name, "seed": 3},
-            "pipeline": settings,
-            "trainable": {
-                "lora_base_model": lora or "transformer",
-                "lora_rank": 4,
-                "lora_alpha": 8,
-            },
-            "data": {
-                "base_path": str(root / "data"),
-                "video": {"num_frames": FRAMES, "frame_stride": 2} | (video or {}),
-            }
-            | (data or {}),
-            "cache": {"url": str(root / "cache"), "shard_samples": 4} | (cache or {}),
-            "train": {"batch_size": 2, "max_steps": 2, "log_every": 1, "learning_rate": 1e-2}
-            | train,
-            "output": {"url": str(root / "out")},
-            "validation": validation or {},
-        }
+    """A LoRA job on the tiny folder (see lora_job): SIDE px, 5-frame clips, prompts LENGTH
+    tokens at most."""
+    pipeline = {"resolution": SIDE, "max_prompt_length": LENGTH} | (pipeline or {})
+    data = {"video": {"num_frames": FRAMES, "frame_stride": 2} | (video or {})} | (data or {})
+    return lora_job(
+        root,
+        "wan",
+        name,
+        pipeline=pipeline,
+        data=data,
+        cache=cache,
+        lora=lora or "transformer",
+        validation=validation or {},
+        **train,
     )
 
 
 def pipeline(root: Path, folder: str = "wan"):
     """WanPipeline from the same folder (offline)."""
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(root / folder)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def drawn_step(plan, denoiser, seed: int = 5):
-    """Two clips captioned PROMPTS through stage 1 and the per-step units, then one drawn
-    training step."""
-    family = plan.family
-    base = plan.config.data.base_path
-    batch = collate_samples([family.load_sample(r, base) for r in load_metadata(base)[:2]])
-    batch["prompt"] = list(PROMPTS)
-    frozen = {name: family.build_model(name, CPU) for name in plan.split.models["stage1"]}
-    settings = family.settings()
-    run_units(plan.v2_units, StepContext(frozen, CPU, settings=settings), batch)
-    ctx = StepContext(
-        {family.denoiser: denoiser},
-        CPU,
-        Draws.shared(torch.Generator().manual_seed(seed)),
-        settings,
-    )
-    run_units(plan.v1_units, ctx, batch)
-    return batch, ctx, family.training_step(ctx, batch)
+    return tiny_pipeline(root, "WanPipeline", folder)
 
 
 def test_the_plan_caches_prompts_and_clip_latents_and_keys_the_frame_settings(root):
     plan = make_plan(job(root, "plan"))
-    assert list(plan.split.v2) == ["PromptEncoder", "VAEEncoder"]
-    assert list(plan.split.v1) == ["LatentSampler", "CaptionDropout"]  # fresh every step
-    cached = set(plan.split.boundary_params)
-    assert {"prompt_embeds", "empty_prompt_embeds", "latent_mean", "latent_logvar"} <= cached
-    assert sorted(plan.split.models["stage1"]) == ["text_encoder", "vae"]
-    assert plan.split.models["stage2"] == ("transformer",)
+    assert_the_encoders_are_cached(plan, {"prompt_embeds", "empty_prompt_embeds"})
     # frame settings and stage-1 pipeline settings change the cache key; per-step ones do not
     for changed in (
         job(root, "plan", video={"num_frames": FRAMES + 4}),
@@ -247,7 +214,7 @@ def test_the_training_loss_is_the_diffusers_computation(root):
     family = plan.family
     pipe = pipeline(root)
     assert pipe.scheduler.config.flow_shift == 3.0
-    batch, ctx, step = drawn_step(plan, pipe.transformer)
+    batch, ctx, step = drawn_step(plan, pipe.transformer, PROMPTS)
     with torch.no_grad():
         ours = family.loss(family.denoise(ctx, step), step)
     assert ours.item() == pytest.approx(
@@ -257,17 +224,7 @@ def test_the_training_loss_is_the_diffusers_computation(root):
 
 def ours(plan, seed: int) -> torch.Tensor:
     """Our sampler + clip decoder on the folder's frozen models: clips [B, F, 3, H, W] in [0, 1]."""
-    family = plan.family
-    models = {name: family.build_model(name, CPU) for name in family.prompt_models()}
-    cond, uncond = encode(plan, models, CPU, PROMPTS, ["", ""])
-    models[family.denoiser] = family.build_model(family.denoiser, CPU)
-    ctx = StepContext(models, CPU, settings=family.settings())
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        latents = family.sample(
-            ctx, cond, uncond, generator, steps=3, guidance=family.default_guidance
-        )
-        return (family.decode_clips(family.load_decoder(CPU), latents) + 1) / 2
+    return sampled(plan, PROMPTS, seed, clips=True)
 
 
 def test_the_sampler_matches_the_wan_pipeline(root):
@@ -361,7 +318,7 @@ def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(
 
     # the loss is diffusers' on transformer_2 for the same (low-noise) draws
     pipe = pipeline(root, "wan22")
-    batch, ctx, step = drawn_step(plan, pipe.transformer_2)
+    batch, ctx, step = drawn_step(plan, pipe.transformer_2, PROMPTS)
     assert (batch["timestep"] < 875).all()
     with torch.no_grad():
         ours = family.loss(family.denoise(ctx, step), step)
@@ -383,34 +340,14 @@ def test_wan_22_trains_one_chosen_expert_on_its_timesteps_and_refuses_otherwise(
     request = request_for(True, family, steps=1)
     files = family.export_files("transformer_2", state, request)
     assert sorted(files) == ["transformer_2", "transformer_2_comfyui"]
-    with torch.no_grad():
-        expected = family.denoise(StepContext({"transformer_2": trained}, CPU), step)
+    expected = predict(plan, trained, step)
+    loras = []
     for label, (name, data) in files.items():
         (tmp_path / label).mkdir()
         (tmp_path / label / name).write_bytes(data)
-        pipe = pipeline(root, "wan22")
-        with torch.no_grad():
-            base = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
-        assert not torch.allclose(base, expected, atol=1e-5)
-        pipe.load_lora_weights(str(tmp_path / label / name), load_into_transformer_2=True)
-        with torch.no_grad():
-            loaded = family.denoise(StepContext({"transformer_2": pipe.transformer_2}, CPU), step)
-        torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
-
-
-def trained_from_checkpoint(config, report):
-    """The transformer as the run left it: meta build, LoRA, load, its last DCP checkpoint."""
-    plan = make_plan(config)
-    stage2 = build_stage2_models(plan, ONE_CPU)
-    step = latest_checkpoint(report.checkpoint_url, clean=False)
-    model = stage2.models["transformer"]
-    load_checkpoint(report.checkpoint_url, step, model, None, restore_rng=False)
-    return plan, model
-
-
-def run(config, root: Path, env: dict[str, str] | None = None):
-    """Train through the real launcher (torchrun, gloo)."""
-    return train(config, run_root=root / "runs", env=ENV | (env or {}), on_line=lambda line: None)
+        loras.append(tmp_path / label / name)
+    load = partial(pipeline, root, "wan22")
+    assert_loras_load(plan, step, expected, loras, load, load_into_transformer_2=True)
 
 
 def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_pipeline_loads(
@@ -467,22 +404,8 @@ def test_split_training_through_torchrun_equals_unsplit_and_exports_a_lora_the_p
     one_rank = job(
         root, "split", pipeline={"caption_dropout": 0.5}, validation=validation, max_steps=3
     )
-    plan, trained = trained_from_checkpoint(one_rank, report)
-    _, ctx, step = drawn_step(plan, trained)
-    with torch.no_grad():
-        expected = plan.family.denoise(ctx, step)
-    for lora in (
-        Path(report.outputs["transformer"]).parent,  # diffusers' layout
-        Path(report.outputs["transformer_comfyui"]),  # the original names (ComfyUI)
-    ):
-        pipe = pipeline(root)
-        with torch.no_grad():
-            base = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
-        assert not torch.allclose(base, expected, atol=1e-5)  # the LoRA learned something
-        pipe.load_lora_weights(str(lora))
-        with torch.no_grad():
-            loaded = plan.family.denoise(StepContext({"transformer": pipe.transformer}, CPU), step)
-        torch.testing.assert_close(loaded, expected, atol=2e-5, rtol=0)
+    outputs = ("transformer", "transformer_comfyui")  # diffusers' layout, the original names
+    assert_exports_reproduce(one_rank, report, PROMPTS, outputs, partial(pipeline, root))
 
 
 def test_clips_in_a_bucket_train_split_as_unsplit_and_export(root, s3_bucket):
