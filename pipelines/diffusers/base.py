@@ -108,6 +108,7 @@ class DiffusersFamily(Family):
     text_models: ClassVar[tuple[str, ...]]  # the encoders its prompt unit calls
     denoiser_params: ClassVar[tuple[str, ...]]  # model_fn's params besides latents/timestep
     shape_links: ClassVar[tuple[ShapeLink, ...]] = ()  # widths its components hand each other
+    lora_layout: ClassVar[str] = ""  # the LoRA file layout it writes (lora_export); "": its name
 
     # -- the folder ------------------------------------------------------------------------------
     @cached_property
@@ -377,7 +378,7 @@ class DiffusersFamily(Family):
             return component_folder_files(self.folder.component(model_name), state)
         v_prediction = self.scheduler_config.get("prediction_type") == "v_prediction"
         return lora_files(
-            self.name,
+            self.lora_layout or self.name,
             model_name,
             state,
             request,

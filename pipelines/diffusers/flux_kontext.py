@@ -20,16 +20,13 @@ import torch
 
 from splitstage.data.dataset import Row
 from splitstage.data.references import ReferenceImages, load_references
-from splitstage.pipelines.diffusers.component_export import lora_files
 from splitstage.pipelines.diffusers.flux import FluxFamily
 from splitstage.pipelines.diffusers.flux_kontext_sampling import kontext_sample, reference_ids
 from splitstage.pipelines.diffusers.packing import image_ids, pack
 from splitstage.pipelines.diffusers.recipes import flow_draw
-from splitstage.pipelines.family import ExportRequest, TrainingStep
+from splitstage.pipelines.family import TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Unit
-
-LORA_LAYOUT = "flux"  # Kontext's transformer has FLUX.1's module names: the same LoRA files
 
 
 def encode_references(ctx: StepContext, reference_image: torch.Tensor) -> dict[str, Any]:
@@ -47,6 +44,7 @@ class FluxKontextFamily(FluxFamily):
     """FLUX.1 Kontext [dev] (FluxKontextPipeline folders): image editing from a reference."""
 
     name = "flux_kontext"
+    lora_layout = "flux"  # Kontext's transformer has FLUX.1's module names: the same LoRA files
     pipeline_classes = ("FluxKontextPipeline",)
     denoiser_params = ("prompt_embeds", "pooled_prompt_embeds", "reference_latents")
     tasks = ("sft",)
@@ -102,22 +100,6 @@ class FluxKontextFamily(FluxFamily):
     def denoise(self, ctx: StepContext, step: TrainingStep) -> torch.Tensor:
         """The transformer's prediction for the noisy tokens (the reference's are cut off)."""
         return super().denoise(ctx, step)[:, : step.target.shape[1]]
-
-    def export_files(
-        self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
-    ) -> dict[str, tuple[str, bytes]]:
-        """FLUX's LoRA files (FluxKontextPipeline.load_lora_weights reads them), else FLUX's."""
-        if not request.lora:
-            return super().export_files(model_name, state, request)
-        return lora_files(
-            LORA_LAYOUT,
-            model_name,
-            state,
-            request,
-            base_model=self.folder.root.name,
-            resolution=self.config.pipeline.resolution,
-            output_name=self.config.job.name,
-        )
 
     def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
         """With `reference_latents` in `cond`: FluxKontextPipeline's loop; without: FLUX's

@@ -235,7 +235,7 @@ class QwenImageFamily(FlowTransformerFamily):
         if not request.lora:
             return super().export_files(model_name, state, request)
         return lora_files(
-            self.name,
+            self.lora_layout or self.name,
             model_name,
             state,
             request,

@@ -27,7 +27,6 @@ from splitstage.data.dataset import DataError, Row, read_image_bytes, reference_
 from splitstage.data.images import image_to_tensor, open_image
 from splitstage.data.references import ReferenceImages
 from splitstage.data.source import source_for
-from splitstage.pipelines.diffusers.component_export import lora_files
 from splitstage.pipelines.diffusers.qwenimage import QwenImageFamily
 from splitstage.pipelines.diffusers.qwenimage_edit_sampling import edit_sample
 from splitstage.pipelines.diffusers.qwenimage_edit_text import (
@@ -40,14 +39,13 @@ from splitstage.pipelines.diffusers.qwenimage_edit_text import (
 )
 from splitstage.pipelines.diffusers.qwenimage_latents import pack
 from splitstage.pipelines.diffusers.wan_vae_norm import normalise
-from splitstage.pipelines.family import ExportRequest, TrainingStep
+from splitstage.pipelines.family import TrainingStep
 from splitstage.pipelines.runtime import RunnableUnit, StepContext
 from splitstage.splitter import Unit
 
 PLUS = "QwenImageEditPlusPipeline"
 MOST = 3  # references a Plus row takes (Qwen-Image-Edit-2509 is made for one to three)
 SLOTS = ("reference_latents", "reference_latents_2", "reference_latents_3")
-LORA_LAYOUT = "qwenimage"  # the edit transformer has Qwen-Image's module names: the same files
 
 
 def reference_sizes(image, plus: bool, vae_area: int, condition_area: int):
@@ -81,6 +79,7 @@ class QwenImageEditFamily(QwenImageFamily):
     """Qwen-Image-Edit and Qwen-Image-Edit-2509 (QwenImageEdit(Plus)Pipeline folders)."""
 
     name = "qwenimage_edit"
+    lora_layout = "qwenimage"  # the edit transformer has Qwen-Image's module names: the same files
     pipeline_classes = ("QwenImageEditPipeline", PLUS)
     tasks = ("sft",)
     fake_steps = False
@@ -294,20 +293,4 @@ class QwenImageEditFamily(QwenImageFamily):
         size = self.sample_size(size)
         return edit_sample(
             self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
-        )
-
-    def export_files(
-        self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
-    ) -> dict[str, tuple[str, bytes]]:
-        """Qwen-Image's LoRA files (QwenImageEdit(Plus)Pipeline.load_lora_weights reads them)."""
-        if not request.lora:
-            return super().export_files(model_name, state, request)
-        return lora_files(
-            LORA_LAYOUT,
-            model_name,
-            state,
-            request,
-            base_model=self.folder.root.name,
-            resolution=self.image_resolution()[0],
-            output_name=self.config.job.name,
         )
