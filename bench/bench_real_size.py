@@ -2,6 +2,7 @@
 file's bytes for the memory levers side by side, in one run.
 
 Run: .venv/bin/python bench/bench_real_size.py [--steps 3] [--cases "default,nf4 + ckpt"]
+[--repeat 2]
 
 Builds once, under runs/bench/real_size/sd15 (never committed, nothing downloaded), a diffusers
 folder with SD 1.5's real configs and random weights: the UNet (859.5M parameters, a 3.44 GB
@@ -12,12 +13,17 @@ from the preprocess report). Each case then trains LoRA rank 4 on the UNet, 256 
 `--steps` updates, one CPU rank (1 torch thread), through the real launcher
 (`splitstage.tasks.launch.launcher.train`, the road of `splitstage train`). Printed per case:
 the rank's peak RSS (VmHWM, file-mapped pages included) over the UNet file's bytes, the RSS
-after imports, and the mean update time after the first.
+after imports, and the mean update time after the first. The case "default without
+MALLOC_MMAP_THRESHOLD_" runs the ranks as the launcher started them before it set that variable
+(the trainer then fixes glibc's threshold at 128 KiB after imports, `steady_heap`): beside
+"default" it measures what the launcher's 1 MiB threshold costs or saves per update; `--repeat`
+alternates the cases to pair them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -33,8 +39,10 @@ FOLDER = WORK / "sd15"
 UNET_FILE = FOLDER / "unet" / "diffusion_pytorch_model.safetensors"
 CKPT = {"gradient_checkpointing": True}
 BF16 = {"weight_dtype": "bf16", "mixed_precision": "bf16"}
+NO_THRESHOLD = "default without MALLOC_MMAP_THRESHOLD_"  # the launcher's ranks before they got one
 CASES = {
     "default": {},
+    NO_THRESHOLD: {},
     "bf16 base + ckpt": BF16 | CKPT,
     "int8 + ckpt": BF16 | CKPT | {"base_quantization": "int8"},
     "nf4 + ckpt": BF16 | CKPT | {"base_quantization": "nf4"},
@@ -124,10 +132,30 @@ def stage1(cache: str) -> dict:
     return json.loads(line.removeprefix("MEMORY "))
 
 
+@contextlib.contextmanager
+def without_threshold(on: bool):
+    """While `on`, the launcher hands its ranks no MALLOC_MMAP_THRESHOLD_."""
+    from splitstage.tasks.launch import launcher
+
+    made = launcher.torchrun_spec
+
+    def without(*args, **kwargs):
+        spec = made(*args, **kwargs)
+        spec.env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        return spec
+
+    launcher.torchrun_spec = without if on else made
+    try:
+        yield
+    finally:
+        launcher.torchrun_spec = made
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="LoRA updates per case")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the cases, alternated")
     parser.add_argument("--preprocess", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.preprocess:
@@ -152,11 +180,12 @@ def main() -> None:
     )
     print(f"{'case':<28} {'peak/file':>9} {'peak GiB':>9} {'after imports':>13} {'s/update':>9}")
     env = {"SPLITSTAGE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    for name in args.cases.split(","):
+    for name in args.cases.split(",") * args.repeat:
         shutil.rmtree(WORK / "out", ignore_errors=True)
         shutil.rmtree(WORK / "runs", ignore_errors=True)
         started = time.perf_counter()
-        report = train(job(CASES[name], args.steps), run_root=WORK / "runs", env=env)
+        with without_threshold(name == NO_THRESHOLD):
+            report = train(job(CASES[name], args.steps), run_root=WORK / "runs", env=env)
         peak = report.peak_rss_mb / 1024
         later = report.step_seconds[1:] or report.step_seconds
         print(
