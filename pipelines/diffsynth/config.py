@@ -101,6 +101,13 @@ class DiffSynthPipelineConfig(PipelineConfig):
         "DiffSynth's multi-image ('Picture 1:') template, what a JSON list of one path gives in "
         "its train.py (Qwen-Image-Edit-2509 / 2511 metadata); rows with several are lists anyway.",
     )
+    zero_cond_t: bool = setting(
+        False,
+        stage1=False,  # read by model_fn alone: stage 2 sets it every step (training_loss)
+        description="QwenImagePipeline: DiffSynth's --zero_cond_t, which Qwen-Image-Edit-2511 "
+        "needs (its reference tokens modulated at timestep 0); leave it off for Qwen-Image, "
+        "Qwen-Image-Edit and Edit-2509.",
+    )
     register_models: list[RegisteredModel] = setting(
         [],
         stage1=False,
@@ -156,6 +163,11 @@ class DiffSynthPipelineConfig(PipelineConfig):
             raise ValueError(
                 f"edit_image_list: {self.pipeline_class} encodes no reference images; remove "
                 f"edit_image_list (it is for {', '.join(EDIT_PIPELINES)})"
+            )
+        if self.zero_cond_t and "zero_cond_t" not in PIPELINES[self.pipeline_class][2]:
+            raise ValueError(
+                f"zero_cond_t: {self.pipeline_class} has no zero_cond_t (it is Qwen-Image-Edit-"
+                "2511's, in QwenImagePipeline); remove zero_cond_t"
             )
         if self.processor_path is not None:
             if self.pipeline_class not in EDIT_PIPELINES:

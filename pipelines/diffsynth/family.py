@@ -174,11 +174,19 @@ class DiffSynthFamily(Family):
 
     def constants(self) -> dict[str, Any]:
         """The inputs DiffSynth's train.py sets besides the data (cfg_scale 1, ...)."""
+        return {**BASE_INPUTS, **PIPELINES[self.group.pipeline_class][2], **self.step_settings()}
+
+    def step_settings(self) -> dict[str, Any]:
+        """The job's settings among train.py's inputs that only the loss reads: set again every
+        step over what the cache holds, so changing one needs no new cache."""
+        group = self.group
         settings = {
-            "max_timestep_boundary": self.group.max_timestep_boundary,
-            "min_timestep_boundary": self.group.min_timestep_boundary,
+            "max_timestep_boundary": group.max_timestep_boundary,
+            "min_timestep_boundary": group.min_timestep_boundary,
         }
-        return {**BASE_INPUTS, **PIPELINES[self.group.pipeline_class][2], **settings}
+        if "zero_cond_t" in PIPELINES[group.pipeline_class][2]:
+            settings["zero_cond_t"] = group.zero_cond_t
+        return settings
 
     @property
     def takes_video(self) -> bool:
@@ -394,6 +402,7 @@ class DiffSynthFamily(Family):
         # DiffSynth's model_fn wraps each block in torch.utils.checkpoint when asked (the cached
         # constant is DiffSynth's default, False): the job's switch decides, every step.
         values["use_gradient_checkpointing"] = self.config.train.gradient_checkpointing
+        values |= self.step_settings()
         for slot in self.in_iteration:
             model = ctx.models.get(slot)
             if model is not None and not getattr(model, "diffsynth_absent", False):

@@ -101,11 +101,11 @@ def fresh(info: dict):
     return pipe
 
 
-def reference_loss(root: Path, pipe, index: int, key: str) -> float:
+def reference_loss(root: Path, pipe, index: int, key: str, zero_cond_t: bool = False) -> float:
     """DiffSynth's train.py step with `--extra_inputs edit_image --height 32 --width 32
     --data_file_keys image,edit_image` on row `index`: its UnifiedDataset loads the row, its
     forward_preprocess builds the inputs and runs every unit, then FlowMatchSFTLoss, the global
-    RNG seeded as splitstage seeds its draw for this sample (epoch 0)."""
+    RNG seeded as splitstage seeds its draw for this sample (epoch 0); `--zero_cond_t` as given."""
     data = root / "data"
     dataset = UnifiedDataset(
         base_path=str(data),
@@ -126,6 +126,7 @@ def reference_loss(root: Path, pipe, index: int, key: str) -> float:
         "use_gradient_checkpointing": False,
         "use_gradient_checkpointing_offload": False,
         "edit_image_auto_resize": True,
+        "zero_cond_t": zero_cond_t,  # --zero_cond_t
         "edit_image": row["edit_image"],  # parse_extra_inputs
     }
     inputs = (shared, posi, nega)
@@ -221,6 +222,26 @@ def test_edit_training_matches_diffsynths_train_py_and_exports_a_lora_it_loads(r
     assert (again.samples, again.computed, again.reused) == (2, 1, 1), again
 
 
+def test_zero_cond_t_reaches_the_loss_as_train_py_gives_it(root):
+    """`zero_cond_t = true` (Qwen-Image-Edit-2511; train.py's --zero_cond_t) trains from the
+    same cache: the first update's loss is train.py's step with it on, not the one without."""
+    document = edit_document(root, max_steps=1)
+    document["pipeline"]["zero_cond_t"] = True
+    config = config_from_dict(document)
+    assert make_plan(config).cache_key == make_plan(config_from_dict(edit_document(root))).cache_key
+    preprocess(config, progress=False)
+    result = train(config, run_root=root / "runs-zero-cond-t", env=ENV)
+    first = read_metrics(Path(result.run_dir))[0]["loss"]
+    with registered([info_of(root)]):
+        pipe = fresh(info_of(root))
+    data = index_data_set(config)
+    rows = [(r.line - 1, k) for k, r in zip(data.keys, data.rows)]
+    on = [reference_loss(root, pipe, i, k, zero_cond_t=True) for i, k in rows]
+    off = [reference_loss(root, pipe, i, k) for i, k in rows]
+    assert min(abs(first - e) for e in on) <= 1e-6 * max(1.0, abs(first)), (first, on)
+    assert min(abs(first - e) for e in off) > 1e-4 * max(1.0, abs(first)), (first, off)
+
+
 def refused(tmp_path: Path, document: dict, capsys) -> str:
     """`splitstage validate` of the job: exit 2 and the one line it printed (no traceback)."""
     path = tmp_path / "job.toml"
@@ -258,7 +279,8 @@ def test_rows_the_job_cannot_train_are_refused_in_one_line(root, tmp_path, capsy
 
 
 def test_edit_settings_are_refused_for_a_pipeline_without_edit_units(root, tmp_path):
-    """A processor folder or edit_image_list for Z-Image is a config mistake, named by field."""
+    """A processor folder, edit_image_list or zero_cond_t for Z-Image is a config mistake,
+    named by field."""
     zimage = write_tiny_models("ZImagePipeline", tmp_path / "ZImagePipeline")
     (tmp_path / "ZImagePipeline" / "info.json").write_text(json.dumps(zimage))
     document = job_document(tmp_path, "ZImagePipeline")
@@ -271,3 +293,8 @@ def test_edit_settings_are_refused_for_a_pipeline_without_edit_units(root, tmp_p
     with pytest.raises(UserError) as error:
         config_from_dict(document)
     assert "edit_image_list: ZImagePipeline encodes no reference images" in str(error.value)
+    del document["pipeline"]["edit_image_list"]
+    document["pipeline"]["zero_cond_t"] = True
+    with pytest.raises(UserError) as error:
+        config_from_dict(document)
+    assert "zero_cond_t: ZImagePipeline has no zero_cond_t" in str(error.value)
