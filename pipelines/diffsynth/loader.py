@@ -5,8 +5,10 @@ MODEL_CONFIGS entries, and the pipeline's `from_pretrained` fetches them into sl
 runs that `from_pretrained` over models built on the meta device (headers read, no weights), so
 `validate`, preflight and stage 2 know every slot's file and class for free, and a stage holds
 those meta models as stand-ins for the slots it does not load; `load_slot` then loads exactly
-one slot's model with DiffSynth's own loader, its file and its entry only, the file's tensors
-mapped from disk rather than copied (DiffSynth's DiskMap clones every tensor).
+one slot's model, its file and its entry only, through DiffSynth's `from_pretrained` with the
+model's load done step by step as DiffSynth's `load_model` does it (`load_frozen`), the file
+mapped and each tensor converted on its own, its file pages handed back at once: DiffSynth's
+DiskMap clones every tensor and its loader holds them all before the whole model is moved.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import contextlib
 import hashlib
 import importlib
 import io
+import json
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +34,7 @@ from splitstage.pipelines.diffsynth.config import (
     DiffSynthPipelineConfig,
     RegisteredModel,
 )
-from splitstage.storage.safetensors_io import mapped_state, read_header
+from splitstage.storage.safetensors_io import drop_mapped_pages, mapped_state, read_header
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _CONFIGS_LOCK = threading.Lock()  # DiffSynth's MODEL_CONFIGS is one global list
@@ -126,10 +129,11 @@ def meta_model(entry: dict[str, Any]) -> torch.nn.Module:
 
 
 @contextmanager
-def _pool_for(cls: type, pool: Any) -> Iterator[None]:
-    """`cls.from_pretrained` fetches its slots from `pool` instead of loading files."""
+def _models_from(cls: type, load_models: Any) -> Iterator[None]:
+    """`cls.from_pretrained` fetches its slots from `load_models(pipe)`'s ModelPool instead of
+    DiffSynth's `download_and_load_models` (which reads every file it is given)."""
     own = cls.__dict__.get("download_and_load_models")
-    cls.download_and_load_models = lambda self, *args, **kwargs: pool
+    cls.download_and_load_models = lambda self, *args, **kwargs: load_models(self)
     try:
         yield
     finally:
@@ -153,7 +157,8 @@ def meta_pipeline(config: DiffSynthPipelineConfig) -> Any:
             pool.model_name.append(entry["model_name"])
             pool.model_path.append(path)
     cls = pipeline_class(config)
-    with _CONFIGS_LOCK, _pool_for(cls, pool), contextlib.redirect_stdout(io.StringIO()):
+    models = _models_from(cls, lambda pipe: pool)
+    with _CONFIGS_LOCK, models, contextlib.redirect_stdout(io.StringIO()):
         return cls.from_pretrained(
             torch_dtype=DTYPES[config.torch_dtype], device="cpu", tokenizer_config=None
         )
@@ -198,6 +203,119 @@ def skeleton(config: DiffSynthPipelineConfig) -> Any:
 
 
 def load_slot(
+    config: DiffSynthPipelineConfig, source: SlotSource, device: torch.device, tokenizer: bool
+) -> Any:
+    """DiffSynth's `from_pretrained` building a pipeline of one slot's model (plus the tokenizer,
+    and the processor where the config names one, when asked), in training mode: its slot rules,
+    tokenizer and processor unchanged, the model loaded by `load_frozen` from the file mapped,
+    tensor by tensor into the pipeline's dtype and device; a model `lean_load_refusal` names goes
+    through DiffSynth's own loader instead (`diffsynth_load`: equal, with whole-model copies)."""
+    if lean_load_refusal(source.entry) is not None:
+        return diffsynth_load(config, source, device, tokenizer)
+    core = diffsynth_module("diffsynth.core")
+    model_loader = diffsynth_module("diffsynth.models.model_loader")
+    extra = {}
+    if tokenizer and config.processor_path is not None:  # QwenImagePipeline's (checked)
+        extra["processor_config"] = core.ModelConfig(path=config.processor_path)
+
+    def load_models(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        """DiffSynth's download_and_load_models for this one file, at the pipeline's dtype and
+        device (its vram_config's computation dtype and device, as DiffSynth resolves them)."""
+        print(f"Loading models from: {json.dumps(source.path, indent=4)}")  # DiffSynth's line
+        pool = model_loader.ModelPool()
+        pool.model.append(load_frozen(source, pipe.torch_dtype, pipe.device))
+        pool.model_name.append(source.entry["model_name"])
+        pool.model_path.append(source.path)
+        return pool
+
+    cls = pipeline_class(config)
+    with _CONFIGS_LOCK, _models_from(cls, load_models):
+        pipe = cls.from_pretrained(
+            torch_dtype=DTYPES[config.torch_dtype],
+            device=str(device),
+            model_configs=[core.ModelConfig(path=source.path)],
+            tokenizer_config=core.ModelConfig(path=config.tokenizer_path) if tokenizer else None,
+            **extra,
+        )
+    return training_mode(pipe)
+
+
+def lean_load_refusal(entry: dict[str, Any]) -> str | None:
+    """Why `load_frozen` would not load an entry's model exactly as DiffSynth's `load_model`
+    does (a pre-quantized file, DeepSpeed ZeRO-3, a class whose own `to`, `_apply` or
+    state-dict loading could treat a tensor converted before loading otherwise), or None."""
+    if "quant_config" in entry:
+        return "a pre-quantized checkpoint (DiffSynth quantizes while loading)"
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return "DeepSpeed ZeRO-3 partitions the model while loading"
+    model = meta_model(entry)
+    if type(model).to is not torch.nn.Module.to:
+        return f"{type(model).__name__} has its own `to`"
+    for name, module in model.named_modules():
+        cls = type(module)
+        hooks = module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks
+        if cls._apply is not torch.nn.Module._apply or hooks:
+            return f"{cls.__name__} ({name or 'the model'}) has its own `_apply` or load hooks"
+        if cls._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
+            return f"{cls.__name__} ({name or 'the model'}) has its own `_load_from_state_dict`"
+    return None
+
+
+class MovedOnRead(Mapping):
+    """A file's tensors as DiffSynth's DiskMap hands them to a model's loader (each read in
+    `dtype` on `device`, whatever its own dtype, integers included), read from the file mapped:
+    once a tensor is copied, the file's pages it was read from are handed back, so only the
+    copies stay. A tensor already in `dtype` on the CPU is the file's view itself (mapped
+    copy-on-write, never written: DiskMap's clone, without the copy)."""
+
+    def __init__(self, path: str, dtype: torch.dtype, device: Any) -> None:
+        self.views = mapped_state(path)
+        self.dtype, self.device = dtype, device
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        view = self.views[key]
+        moved = view.to(device=self.device, dtype=self.dtype)
+        if moved is not view:
+            drop_mapped_pages(view)
+        return moved
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.views  # without reading the tensor (Mapping's would)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.views)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+
+def load_frozen(source: SlotSource, dtype: torch.dtype, device: Any) -> torch.nn.Module:
+    """DiffSynth's `load_model` of one file, step by step (its init context, the file's tensors
+    in `dtype` on `device` as its DiskMap reads them, its converter, load_state_dict with assign,
+    the model moved to `dtype` and `device`, eval), the file mapped and each tensor's pages
+    handed back once it is converted (`MovedOnRead`): the peak holds the final weights plus one
+    tensor, never the file beside the converted model."""
+    loader = diffsynth_module("diffsynth.core.loader.model")
+    pool = diffsynth_module("diffsynth.models.model_loader").ModelPool()
+    entry = source.entry
+    with contextlib.ExitStack() as stack:
+        for context in loader.get_init_context(torch_dtype=dtype, device=device):
+            stack.enter_context(context)
+        model = pool.import_model_class(entry["model_class"])(**entry.get("extra_kwargs", {}))
+    state = MovedOnRead(source.path, dtype, device)
+    if "state_dict_converter" in entry:
+        converted = pool.import_model_class(entry["state_dict_converter"])(state)
+    else:
+        converted = {key: state[key] for key in state}
+    del state
+    model.load_state_dict(converted, assign=True)
+    del converted
+    return model.to(dtype=dtype, device=device).eval()  # what no file holds; the rest stays
+
+
+def diffsynth_load(
     config: DiffSynthPipelineConfig, source: SlotSource, device: torch.device, tokenizer: bool
 ) -> Any:
     """DiffSynth's `from_pretrained` on one slot's file as its entry alone (plus the tokenizer,
