@@ -22,6 +22,7 @@ from torch import nn
 from splitstage.config.families import config_class, import_object
 from splitstage.config.job import ConfigError, ModelConfig
 from splitstage.data.buckets import BucketError, Buckets
+from splitstage.data.images import center_crop_resize, image_to_tensor
 from splitstage.data.references import ReferenceImages, check_reference_rows
 from splitstage.data.source import DataSource
 from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
@@ -380,14 +381,23 @@ class Family:
             )
         return sorted({m for unit in units for m in unit.spec.onload_model_names})
 
+    def validation_reference(self, image: Any, target: tuple[int, int]) -> Any:
+        """One decoded `validation.reference_images` file (PIL) as `reference_conditioning`
+        takes it beside a `target` (height, width) sample. Default: [3, H, W] in [-1, 1] at
+        `reference_images`' size (cropped to it, as training crops to the bucket); a family
+        whose pipeline sizes references from the image itself overrides this."""
+        rule = self.reference_images or ReferenceImages()
+        height, width = rule.size((image.height, image.width), target)
+        return image_to_tensor(center_crop_resize(image, height, width))
+
     def reference_conditioning(
         self,
         ctx: StepContext,
-        images: Sequence[Sequence[torch.Tensor]],
+        images: Sequence[Sequence[Any]],
         prompts: Sequence[str],
     ) -> dict[str, torch.Tensor]:
-        """What each prompt seen with its reference images ([3, H, W] in [-1, 1], sized by
-        `reference_images` beside the sample size) conditions on, merged over
+        """What each prompt seen with its reference images (as `validation_reference` gives
+        them: [3, H, W] in [-1, 1] by default) conditions on, merged over
         `prompt_conditioning(prompts)` (called for the prompts and for their negatives).
         Default: one image per prompt, stacked as `reference_image` through `reference_units`
         (the prompts unused); a family taking several, or encoding the prompt with the image,

@@ -10,7 +10,9 @@ img_shapes entries, and cuts the prediction back to the target's tokens; it neve
 image. The model_index's pipeline class decides Edit (one reference) or Plus (up to three).
 References sized on their own may differ in shape between rows: the cache's shape groups keep
 such rows in separate batches (each reference slot is its own cached tensor; an absent one is
-an empty tensor).
+an empty tensor). Validation samples need `validation.reference_images` (Plus: up to three per
+prompt): stage 1 encodes each prompt and its negative with its images as the pipeline does (its
+true CFG sees the negative with the same images) and their latents, sized as above.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ from splitstage.splitter import Unit
 PLUS = "QwenImageEditPlusPipeline"
 MOST = 3  # references a Plus row takes (Qwen-Image-Edit-2509 is made for one to three)
 SLOTS = ("reference_latents", "reference_latents_2", "reference_latents_3")
+NEEDS_REFERENCES = (
+    "validation.reference_images: the qwenimage_edit family samples only beside reference "
+    "images; give each of validation.prompts its image(s) in validation.reference_images"
+)
 
 
 def reference_sizes(image, plus: bool, vae_area: int, condition_area: int):
@@ -231,20 +237,29 @@ class QwenImageEditFamily(QwenImageFamily):
                 "folder (Qwen-Image-Edit-2509)"
             )
         source = source_for(base_path)
-        settings = self.config.pipeline
-        vae_images, conditions = [], []
+        images = []
         for ref in row.references:
             data = read_image_bytes(reference_row(row, ref), source)
-            image = as_rgb8(open_image(data, row.where, source.display(ref)))
+            images.append(as_rgb8(open_image(data, row.where, source.display(ref))))
+        vae_images, conditions = self.sized_references(images)
+        length = self.config.pipeline.max_prompt_length
+        count = token_count(self.processor, sample["prompt"], conditions, self.plus)
+        if count > length:  # refused before any model sees the row
+            raise too_long(row.where, count, length)
+        return sample | {"reference_image": vae_images, "condition_image": conditions}
+
+    def sized_references(self, images: list[Any]) -> tuple[list[torch.Tensor], list[Any]]:
+        """(VAE inputs [3, H, W] in [-1, 1], Qwen2.5-VL's PIL images) of 8-bit RGB references,
+        each resized to its own aspect ratio as the pipeline resizes it."""
+        settings = self.config.pipeline
+        vae_images, conditions = [], []
+        for image in images:
             vae_size, cond_size = reference_sizes(
                 image, self.plus, settings.reference_max_pixels, settings.condition_max_pixels
             )
             vae_images.append(self.image_processor.preprocess(image, *vae_size)[0])
             conditions.append(self.image_processor.resize(image, *cond_size))
-        count = token_count(self.processor, sample["prompt"], conditions, self.plus)
-        if count > settings.max_prompt_length:  # refused before any model sees the row
-            raise too_long(row.where, count, settings.max_prompt_length)
-        return sample | {"reference_image": vae_images, "condition_image": conditions}
+        return vae_images, conditions
 
     # -- the training step -----------------------------------------------------------------------
     def training_step(self, ctx: StepContext, inputs: dict[str, Any]) -> TrainingStep:
@@ -273,24 +288,84 @@ class QwenImageEditFamily(QwenImageFamily):
         """The transformer's prediction for the noisy tokens (the references' are cut off)."""
         return super().denoise(ctx, step)[:, : step.target.shape[1]]
 
-    # -- hooks -----------------------------------------------------------------------------------
+    # -- validation sampling ---------------------------------------------------------------------
     def check_sampling(self) -> None:
-        """Refused: the edit pipelines sample from reference images, which validation prompts
-        cannot give this family yet."""
-        raise ConfigError(
-            "validation: the qwenimage_edit family samples only beside reference images, which "
-            "validation prompts cannot give it yet; remove the [validation] prompts"
-        )
+        """The VAE is there and every validation prompt has its reference image(s): the edit
+        pipelines take no prompt alone."""
+        super().check_sampling()
+        settings = self.config.validation
+        if not settings.reference_images:
+            raise ConfigError(NEEDS_REFERENCES)
+        self.reference_models()
+
+    def prompt_models(self) -> list[str]:
+        """Qwen2.5-VL: no unit encodes a prompt alone, but the validation prompts are encoded by
+        it (with their images, in `reference_conditioning`), so stage 2 reads them from stage
+        1's file unless it holds it (and `train` refuses before launch when they are not there)."""
+        return list(self.prompt_encoders())
+
+    def reference_models(self) -> list[str]:
+        """Qwen2.5-VL (the prompts are encoded with their images) and the VAE; more than one
+        image for a prompt of QwenImageEditPipeline is refused (one line)."""
+        if not self.plus:
+            for index, paths in enumerate(self.config.validation.references()):
+                if len(paths) > 1:
+                    raise ConfigError(
+                        f"validation.reference_images[{index}] names {len(paths)} images; "
+                        "QwenImageEditPipeline takes one: keep one, or use a "
+                        "QwenImageEditPlusPipeline folder (Qwen-Image-Edit-2509)"
+                    )
+        return sorted({*self.prompt_encoders(), "vae"})
+
+    def validation_reference(self, image: Any, target: tuple[int, int]) -> Any:
+        """The decoded file as 8-bit RGB (PIL): sized later as the pipeline sizes it, from the
+        image's own aspect ratio, whatever the sample size."""
+        return as_rgb8(image)
+
+    def reference_conditioning(self, ctx: StepContext, images, prompts) -> dict[str, torch.Tensor]:
+        """As QwenImageEdit(Plus)Pipeline conditions on each prompt (or negative) and its
+        references: Qwen2.5-VL over the prompt with the images (edit template, padded to
+        max_prompt_length), and their latents in the reference slots. References sized on
+        their own differ in shape between prompts: each slot is zero-padded to the largest,
+        `reference_shapes` [B, slots, 2] gives each row's latent (h, w), 0 where absent."""
+        encoder = ctx.model("text_encoder", "validation")
+        length = self.config.pipeline.max_prompt_length
+        rows: list[dict[str, torch.Tensor]] = []
+        for index, (prompt, refs) in enumerate(zip(prompts, images, strict=True)):
+            vae_images, conditions = self.sized_references(list(refs))
+            hidden = encode_prompt(
+                encoder, self.processor, prompt, conditions, self.plus, ctx.device
+            )
+            embeds, mask = pad_prompt(hidden, length, f"validation.reference_images[{index}]")
+            latents = self.encode_references(ctx, [vae_images])
+            rows.append(
+                {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+                | {slot: latents[slot][0] for slot in self.reference_slots}
+            )
+        out = {name: torch.stack([row[name] for row in rows]) for name in self.text_params}
+        shapes = [[list(row[slot].shape[-2:]) for slot in self.reference_slots] for row in rows]
+        out["reference_shapes"] = torch.tensor(shapes, dtype=torch.long)
+        for slot in self.reference_slots:
+            height = max(row[slot].shape[-2] for row in rows)
+            width = max(row[slot].shape[-1] for row in rows)
+            out[slot] = torch.stack(
+                [pad_to(row[slot].to(ctx.device), height, width) for row in rows]
+            )
+        return out
 
     def sample(self, ctx, cond, uncond, generator, *, steps, guidance, size=None) -> torch.Tensor:
         """Given the reference slots in `cond`: QwenImageEdit(Plus)Pipeline's loop; without
         them: refused (the edit pipelines take no prompt alone)."""
         if self.reference_slots[0] not in cond:
-            raise ConfigError(
-                "validation: the qwenimage_edit family samples only beside reference images, "
-                "which validation prompts cannot give it yet; remove the [validation] prompts"
-            )
+            raise ConfigError(NEEDS_REFERENCES)
         size = self.sample_size(size)
         return edit_sample(
             self, ctx, cond, uncond, generator, steps=steps, guidance=guidance, size=size
         )
+
+
+def pad_to(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[C, h, w] latents zero-padded at the bottom and right to [C, height, width]."""
+    return torch.nn.functional.pad(
+        latents, (0, width - latents.shape[-1], 0, height - latents.shape[-2])
+    )

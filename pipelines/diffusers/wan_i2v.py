@@ -6,7 +6,10 @@ cropped to the clip's size). Stage 1 caches, beside the prompt embeddings and th
 distribution, the CLIP penultimate hidden states of that frame (`image_embeds`, when the
 transformer has an image_dim) and `condition_latents` (the first-frame mask and the normalised
 latents of the frame followed by zeros: wan_i2v_condition.py); stage 2 only concatenates them
-after the noisy latents. Wan 2.2 TI2V (expand_timesteps) is refused by name.
+after the noisy latents. Wan 2.2 TI2V (expand_timesteps) is refused by name. Validation clips
+start from each prompt's first frame in `validation.reference_images` (cropped to the clip's
+size, as training crops an edit_image): stage 1 computes its conditioning as above, stage 2
+samples with WanImageToVideoPipeline's loop (wan_sampling.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from splitstage.pipelines.diffusers.component_shapes import Width, link
 from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.wan import WanFamily
 from splitstage.pipelines.diffusers.wan_i2v_condition import (
+    condition_latents,
     load_image_processor,
     make_condition_encoder,
     make_image_embedder,
@@ -175,18 +179,28 @@ class WanI2VFamily(WanFamily):
             kwargs["encoder_hidden_states_image"] = inputs["image_embeds"].to(ctx.device, dtype)
         return TrainingStep((), draw["target"], draw["weight"], kwargs)
 
-    # -- hooks -----------------------------------------------------------------------------------
+    # -- validation sampling ---------------------------------------------------------------------
     def check_sampling(self) -> None:
-        """Refused: validation clips would need a first frame per prompt, which is not
-        configurable yet."""
-        raise ConfigError(
-            "validation.prompts: the wan_i2v family cannot sample yet (a validation clip needs "
-            "a first frame per prompt, which cannot be given yet); remove the [validation] prompts"
-        )
+        """As Wan's (the VAE is there, no Wan 2.2 expert alone), and each validation prompt has
+        its first frame in `validation.reference_images`."""
+        super().check_sampling()
+        if not self.config.validation.reference_images:
+            raise ConfigError(
+                "validation.reference_images: the wan_i2v family samples each clip from a first "
+                "frame; give each of validation.prompts one image in validation.reference_images"
+            )
 
     def reference_models(self) -> list[str]:
-        """Refused as `check_sampling`: no validation first frames yet."""
-        raise ConfigError(
-            "validation.reference_images: the wan_i2v family cannot sample yet; remove "
-            "validation.reference_images"
-        )
+        """The VAE (condition latents) and, for Wan 2.1, the CLIP image encoder."""
+        return sorted({"vae", *(("image_encoder",) if self.uses_image_encoder else ())})
+
+    def reference_conditioning(self, ctx: StepContext, images, prompts) -> dict[str, torch.Tensor]:
+        """What WanImageToVideoPipeline conditions every prompt's clip on (its negative's alike):
+        each first frame's condition latents (mask + latents of the frame and zeros, for
+        `[data.video] num_frames`) and, for Wan 2.1, its CLIP image embeddings."""
+        first = torch.stack([one for (one,) in images])
+        frames = self.config.data.video.num_frames
+        out = {"condition_latents": condition_latents(ctx, self.vae_config, first, frames)}
+        if self.uses_image_encoder:
+            out |= make_image_embedder(self.image_processor)(ctx, first)
+        return out

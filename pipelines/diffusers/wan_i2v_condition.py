@@ -74,22 +74,32 @@ def first_frame_mask(count: int, frames: int, size: tuple[int, int], temporal: i
     return mask.view(count, -1, temporal, height, width).transpose(1, 2)
 
 
+def condition_latents(
+    ctx: StepContext, vae_config: dict[str, Any], first: torch.Tensor, frames: int
+) -> torch.Tensor:
+    """[B, temporal + C, F', h, w] in the VAE's dtype: the first-frame mask and the normalised
+    latents of each first frame [B, 3, H, W] followed by `frames` - 1 zero frames (the
+    pipeline's prepare_latents)."""
+    temporal = int(vae_config.get("scale_factor_temporal", 4))
+    vae = ctx.model("vae", "ConditionEncoder")
+    dtype = next(vae.parameters()).dtype
+    first = first.to(ctx.device, dtype).unsqueeze(2)  # [B, 3, 1, H, W]
+    count = first.shape[0]
+    rest = first.new_zeros(count, 3, frames - 1, *first.shape[-2:])
+    z = vae.encode(torch.cat([first, rest], dim=2)).latent_dist.mode()
+    latents = normalise(vae_config, z)
+    mask = first_frame_mask(count, frames, latents.shape[-2:], temporal).to(latents.device)
+    return torch.cat([mask, latents], dim=1).to(dtype)
+
+
 def make_condition_encoder(vae_config: dict[str, Any]):
     """The V2 unit function: `condition_latents` [B, temporal + C, F', h, w] of each clip's
     conditioning frame, in the VAE's dtype."""
-    temporal = int(vae_config.get("scale_factor_temporal", 4))
 
     def encode_condition(
         ctx: StepContext, reference_image: torch.Tensor, video: torch.Tensor
     ) -> dict[str, Any]:
-        vae = ctx.model("vae", "ConditionEncoder")
-        dtype = next(vae.parameters()).dtype
-        first = reference_image.to(ctx.device, dtype).unsqueeze(2)  # [B, 3, 1, H, W]
-        count, frames = first.shape[0], video.shape[1]
-        rest = first.new_zeros(count, 3, frames - 1, *first.shape[-2:])
-        z = vae.encode(torch.cat([first, rest], dim=2)).latent_dist.mode()
-        latents = normalise(vae_config, z)
-        mask = first_frame_mask(count, frames, latents.shape[-2:], temporal).to(latents.device)
-        return {"condition_latents": torch.cat([mask, latents], dim=1).to(dtype)}
+        latents = condition_latents(ctx, vae_config, reference_image, video.shape[1])
+        return {"condition_latents": latents}
 
     return encode_condition

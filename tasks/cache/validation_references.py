@@ -12,18 +12,11 @@ import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from PIL import Image
 
 from splitstage.config.job import ConfigError
 from splitstage.config.monitoring import size_label
-from splitstage.data.images import (
-    DataError,
-    center_crop_resize,
-    check_file_size,
-    image_to_tensor,
-    open_image,
-)
+from splitstage.data.images import DataError, check_file_size, open_image
 from splitstage.data.references import ReferenceImages
 from splitstage.data.source import DataSource, open_data_source, relative_key
 from splitstage.pipelines.family import Family
@@ -114,15 +107,8 @@ def reference_key(family: Family, references: list[list[Reference]]) -> dict[str
 
 def reference_tensors(
     family: Family, references: list[list[Reference]], target: Size
-) -> list[list[torch.Tensor]]:
-    """Each prompt's references as [3, H, W] in [-1, 1], sized by the family's rule beside a
-    sample of `target` size (cropped to it, as training crops them to the target's bucket)."""
-    rule = reference_rule(family)
-    out = []
-    for refs in references:
-        tensors = []
-        for ref in refs:
-            height, width = rule.size((ref.image.height, ref.image.width), target)
-            tensors.append(image_to_tensor(center_crop_resize(ref.image, height, width)))
-        out.append(tensors)
-    return out
+) -> list[list[Any]]:
+    """Each prompt's references as the family's reference step takes them beside a sample of
+    `target` size (`Family.validation_reference`: by default [3, H, W] in [-1, 1], sized by
+    its rule and cropped to it, as training crops them to the target's bucket)."""
+    return [[family.validation_reference(ref.image, target) for ref in refs] for refs in references]

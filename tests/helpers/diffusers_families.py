@@ -1,7 +1,8 @@
 """The diffusers families' tiny folders by kind, their diffusers pipelines, and a plan for each;
 and the scaffolding their integration tests share: LoRA jobs on a tiny folder, the folder's
 diffusers pipeline, a drawn training step, training through torchrun, and the checks that an
-exported LoRA loads into the pipeline and that `splitstage validate` refuses a folder."""
+exported LoRA loads into the pipeline, that a resumed run ends bitwise where an uninterrupted one
+does, and that `splitstage validate` refuses a folder."""
 
 from __future__ import annotations
 
@@ -232,12 +233,14 @@ def split_run_of(job, root: Path):
 
 def assert_two_ranks_give_the_one_rank_losses(job, root, split_run, parallelism, batch_size):
     """`parallelism` on two ranks (TP of degree 2), `batch_size` samples a rank, gives the
-    losses of the one-rank split run."""
+    losses of the one-rank split run; returns the two-rank run's report."""
     _, report = split_run
     tp_degree = 2 if parallelism == "tp" else 1
     ranks = dict(parallelism=parallelism, nproc_per_node=2, tp_degree=tp_degree)
     two = job(root, f"split-{parallelism}", pipeline=DROPOUT, batch_size=batch_size, **ranks)
-    assert run(two, root).losses == pytest.approx(report.losses, rel=1e-5)
+    done = run(two, root)
+    assert done.losses == pytest.approx(report.losses, rel=1e-5)
+    return done
 
 
 def assert_split_equals_unsplit_and_exports(job, root, split_run, prompts, load, outputs):
@@ -311,3 +314,43 @@ def validate_refusal(tmp_path: Path, family: str, folder: Path, data: Path) -> s
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and lines[0].startswith("splitstage: error: "), done.stderr
     return lines[0]
+
+
+def assert_resume_is_bitwise(job, root: Path, halt: int = 1, total: int = 2) -> None:
+    """Nothing of the family's step lives outside the checkpoint: `job(max_steps)` (split, one
+    rank) halted after `halt` updates and resumed to `total` gives the losses and the exported
+    LoRA of `total` updates in one go, bit for bit (each way under its own run id)."""
+    from safetensors.torch import load_file
+
+    def launch(config, run_id: str, on_line=lambda line: None):
+        return train(config, run_id=run_id, run_root=root / "runs", env=ENV, on_line=on_line)
+
+    config = job(total)
+    preprocess(config, workers=1, progress=False)
+    straight = launch(config, f"{config.job.name}-straight")
+    assert straight.updates == total, straight  # the data holds `total` updates
+    lines: list[str] = []
+    first = launch(job(halt), f"{config.job.name}-resumed")
+    resumed = launch(config, f"{config.job.name}-resumed", lines.append)
+    assert any(f"resumed from checkpoint step {halt}" in line for line in lines), lines[-5:]
+    assert first.losses + resumed.losses[halt - total :] == straight.losses
+    ours = load_file(resumed.outputs["transformer"])
+    theirs = load_file(straight.outputs["transformer"])
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def edit_pipeline_areas(monkeypatch, reference_area: int, condition_area: int) -> None:
+    """QwenImageEdit(Plus)Pipeline's reference areas (1024x1024 for the VAE, 384x384 for Plus's
+    VL: constants there) set to a job's reference_max_pixels / condition_max_pixels, so the tiny
+    models see the sizes the job gives them."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    areas = {1024 * 1024: reference_area, 384 * 384: condition_area}
+    for module in (edit, plus):
+        original = module.calculate_dimensions
+        monkeypatch.setattr(
+            module,
+            "calculate_dimensions",
+            lambda area, ratio, original=original: original(areas.get(area, area), ratio),
+        )

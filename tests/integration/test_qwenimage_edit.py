@@ -120,19 +120,10 @@ def predict(plan, denoiser, step) -> torch.Tensor:
 
 
 def tiny_areas(monkeypatch) -> None:
-    """The pipelines' reference areas (1024x1024 for the VAE, 384x384 for Plus's VL: constants
-    there) set to this test's settings, so the tiny models see the sizes the job gives them."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    """The pipelines' reference areas set to this test's settings (see edit_pipeline_areas)."""
+    from tests.helpers.diffusers_families import edit_pipeline_areas
 
-    areas = {1024 * 1024: REFERENCE_AREA, 384 * 384: CONDITION_AREA}
-    for module in (edit, plus):
-        original = module.calculate_dimensions
-        monkeypatch.setattr(
-            module,
-            "calculate_dimensions",
-            lambda area, ratio, original=original: original(areas.get(area, area), ratio),
-        )
+    edit_pipeline_areas(monkeypatch, REFERENCE_AREA, CONDITION_AREA)
 
 
 def pipeline_inputs(pipe, prompt: str, images: list) -> dict:
@@ -317,9 +308,11 @@ def test_rows_that_do_not_fit_are_refused_in_one_line(root):
         ConfigError, match=r"^pipeline.max_prompt_length: metadata.csv row 2 encodes into \d+ "
     ):
         preprocess(job(root, "edit-long", length=8), workers=1, progress=False)
-    # validation prompts cannot give references yet: refused before launch
+    # validation prompts without reference images: refused before launch, naming the field
     sampled = job(root, "edit-sampled", extra={"validation": {"prompts": ["a digit"]}})
-    with pytest.raises(ConfigError, match=r"^validation: the qwenimage_edit family samples only"):
+    with pytest.raises(
+        ConfigError, match=r"^validation.reference_images: the qwenimage_edit family samples only"
+    ):
         preflight(make_plan(sampled))
 
 
@@ -342,21 +335,9 @@ def test_a_16_bit_reference_keeps_its_pixels():
 def test_a_resumed_edit_run_ends_bitwise_where_an_uninterrupted_one_does(root):
     """Nothing of a reference family's step lives outside the checkpoint: 2 updates, then a
     resume to 4, give the losses and the LoRA of 4 updates in one go, bit for bit."""
-    from safetensors.torch import load_file
+    from tests.helpers.diffusers_families import assert_resume_is_bitwise
 
-    config = job(root, "plus-resume", folder="plus", data="data2", max_steps=4)
-    assert preprocess(config, workers=1, progress=False).computed == 8
-    straight = train(config, run_root=root / "runs-straight", env=ENV, on_line=lambda line: None)
-    elsewhere = {"output": {"url": str(root / "out-resumed")}}  # its own checkpoints
-    halted = job(root, "plus-resume", "plus", "data2", extra=elsewhere, max_steps=2)
-    first = train(halted, run_root=root / "runs-resumed", env=ENV, on_line=lambda line: None)
-    again = job(root, "plus-resume", "plus", "data2", extra=elsewhere, max_steps=4)
-    lines: list[str] = []
-    resumed = train(again, run_root=root / "runs-resumed", env=ENV, on_line=lines.append)
-    assert any("resumed from checkpoint step 2" in line for line in lines), lines[-5:]
-    assert first.losses + resumed.losses[-2:] == straight.losses
-    ours, theirs = (
-        load_file(resumed.outputs["transformer"]),
-        load_file(straight.outputs["transformer"]),
-    )
-    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    def plus(max_steps: int):
+        return job(root, "plus-resume", folder="plus", data="data2", max_steps=max_steps)
+
+    assert_resume_is_bitwise(plus, root, halt=2, total=4)

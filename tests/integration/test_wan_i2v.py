@@ -280,8 +280,8 @@ def test_a_wan_22_i2v_expert_trains_without_an_image_encoder_and_its_lora_loads(
 def test_bad_rows_and_folders_are_refused_in_one_line(root, tmp_path):
     """A clip too short for num_frames, an edit_image that is a video, two edit_images: one
     DataError line naming the row (and file), before anything is cached; a 2.1 I2V job with
-    prompts not padded to 512 tokens, a TI2V folder, validation prompts and a folder without its
-    image processor: one ConfigError line naming the field."""
+    prompts not padded to 512 tokens, a TI2V folder, validation prompts without first frames
+    and a folder without its image processor: one ConfigError line naming the field."""
     bad = tmp_path / "bad"
     shutil.copytree(root / "data", bad)
     (bad / "metadata.jsonl").write_text(
@@ -308,7 +308,7 @@ def test_bad_rows_and_folders_are_refused_in_one_line(root, tmp_path):
     ti2v = {"pretrained": str(folder), "expert": "low_noise"}
     with pytest.raises(ConfigError, match="expand_timesteps .*Wan 2.2 TI2V"):
         make_plan(job(root, "ti2v", pipeline=ti2v, lora="transformer_2"))
-    with pytest.raises(ConfigError, match="^validation.prompts: the wan_i2v family"):
+    with pytest.raises(ConfigError, match="^validation.reference_images: the wan_i2v family"):
         make_plan(job(root, "plan")).family.check_sampling()
     no_processor = shutil.copytree(root / "wan_i2v", tmp_path / "no-processor")
     shutil.rmtree(no_processor / "image_processor")
