@@ -22,7 +22,8 @@ depths and parameter counts are the real ones. Then, on the GPU:
   7. the memory levers (bench/gpu_levers.py): FLUX.1-dev-size and Qwen-Image-size (20.4B)
      transformers built by stage 2's own functions, random bf16 weights made on the GPU, a LoRA
      step at 1024 px with checkpointing for a bf16 base, each `train.base_quantization` (int8,
-     fp8, nf4) and `train.offload = "cpu"`: peak CUDA memory allocated, median step time and the
+     fp8, nf4), `train.offload = "cpu"` and an int8 base with half its blocks' frozen weights in
+     host memory (`train.offload = N`): peak CUDA memory allocated, median step time and the
      frozen bytes, one row each; they run last, with 80% of their budgets kept for them
 `--only GROUP[,GROUP]` runs some groups (device and imports always): torchrun, flux, sd, sdxl,
 levers.

@@ -1,7 +1,8 @@
 """The memory levers at real sizes, for bench/gpu_check.py: a LoRA step (1024 px, batch 1,
 gradient checkpointing) of a FLUX.1-dev-size and a Qwen-Image-size transformer with a bf16 base,
-each `train.base_quantization` and `train.offload = "cpu"`: peak CUDA memory allocated, median
-step time and the frozen bytes the model holds.
+each `train.base_quantization`, `train.offload = "cpu"`, and an int8 base with the frozen weights
+of half its blocks in host memory (`train.offload = N`, musubi-tuner's blocks_to_swap): peak CUDA
+memory allocated, median step time and the frozen bytes the model holds.
 
 Every row goes through stage 2's own functions, in `build_stage2_models`' order: the family builds
 the transformer on meta (`build_model(meta=True)`, from a tiny folder whose transformer
@@ -10,7 +11,10 @@ turns on checkpointing; then either `quantizing_base`'s installers each get a ra
 made on the device (standing in for the file's tensor: no file is written), or `parallelize(mode=
 "fsdp", offload=True)` on a one-rank mesh with the weights made in host memory. What is left is
 allocated with `to_empty` (the installers' weights left on meta, as `materialize_and_load` does),
-random-initialized, and the family's `init_buffers` runs. The step is the family's own
+random-initialized, and the family's `init_buffers` runs; with `offload = N` the model is made
+in host memory and `install_block_swap` moves all but the swapped blocks' frozen weights to the
+device (the installers move those blocks' quantized weights to the host as they make them, as
+`build_stage2_models` does). The step is the family's own
 `training_loss` under bf16 autocast, with stage 2's optimizer.
 """
 
@@ -33,6 +37,7 @@ LEVERS = {
     "fp8": ("fp8", "none"),
     "nf4": ("nf4", "none"),
     "offload cpu": ("none", "cpu"),
+    "int8 + offload half the blocks": ("int8", "half"),
 }
 # Qwen-Image's transformer config (20.4B parameters); the smoke one tiny (RoPE 8+12+12 = 32)
 QWEN_IMAGE = {
@@ -54,12 +59,14 @@ QWEN_SMOKE = QWEN_IMAGE | {
     "axes_dims_rope": (8, 12, 12),
 }
 NAMES = {"flux": "flux (FLUX.1-dev size)", "qwenimage": "qwenimage (Qwen-Image size)"}
-# Seconds per row (bf16 base, int8, fp8, nf4, offload cpu) on one H100 (estimates: not yet run
-# there): Qwen-Image's LoRA injection alone takes ~9 s of CPU per row; an offloaded row also
-# touches the host copy (to_empty on the CPU) and FSDP2 pins it again at its first forward.
+# Seconds per row (bf16 base, int8, fp8, nf4, offload cpu, int8 + half the blocks swapped) on
+# one H100 (estimates: not yet run there): Qwen-Image's LoRA injection alone takes ~9 s of CPU
+# per row; an offloaded row also touches the host copy (to_empty on the CPU) and FSDP2 pins it
+# again at its first forward; the swapped row pins half the int8 base and copies it to the GPU
+# twice a step (forward and recompute).
 BUDGETS = {
-    "full": {"flux": (15, 18, 18, 20, 50), "qwenimage": (25, 28, 28, 32, 90)},
-    "smoke": {"flux": (15, 15, 15, 15, 20), "qwenimage": (15, 15, 15, 15, 20)},
+    "full": {"flux": (15, 18, 18, 20, 50, 40), "qwenimage": (25, 28, 28, 32, 90, 60)},
+    "smoke": {"flux": (15, 15, 15, 15, 20, 15), "qwenimage": (15, 15, 15, 15, 20, 15)},
 }
 TIMED_STEPS = 3  # after one warm-up step, fewer when the row's budget runs low
 
@@ -104,14 +111,19 @@ def make_family(kind: str, folder: Path, work: Path, smoke: bool, lever: str):
                 "weight_dtype": "bf16",
                 "mixed_precision": "bf16",
                 "base_quantization": quantization,
-                "offload": offload,
+                "offload": "none" if offload == "half" else offload,
             },
             "data": {"base_path": str(work / "data")},
             "cache": {"url": str(work / "cache")},
             "output": {"url": str(work / "out")},
         }
     )
-    return make_plan(config).family, pixels, tokens
+    plan = make_plan(config)
+    if offload == "half":  # half the transformer's blocks, counted on meta
+        from splitstage.tasks.stage2.block_swap import repeated_blocks
+
+        config.train.offload = max(len(repeated_blocks(plan.meta_model("transformer"))) // 2, 1)
+    return plan.family, pixels, tokens
 
 
 POOL = 1 << 26  # random values a large host tensor is filled from (64M: 128 MB in bf16)
@@ -141,12 +153,14 @@ def fill_random(tensor: torch.Tensor, pools: dict) -> None:
 
 def build_model(family, device: torch.device, mesh, stage: dict):
     """The transformer as stage 2 builds it for this row's lever, with random weights."""
+    from splitstage.tasks.stage2.block_swap import install_block_swap, to_host_after
     from splitstage.tasks.stage2.models import adapt_trained, quantizing_base
     from splitstage.tasks.stage2.parallelize import parallelize
     from splitstage.tasks.stage2.pretrained_weights import left_on_meta, model_tensors
 
     name, config = "transformer", family.config
     offload = config.train.offload == "cpu"
+    swap = config.train.offload if isinstance(config.train.offload, int) else 0
     stage["phase"] = "building on meta"
     model = family.build_model(name, device, meta=True)
     stage["params"] = sum(p.numel() for p in model.parameters())
@@ -155,10 +169,12 @@ def build_model(family, device: torch.device, mesh, stage: dict):
         parallelize(model, mesh=mesh, mode="fsdp", tp_plan=family.tp_plan(name), offload=True)
     quantized = quantizing_base(model, name, family, device)
     installers = quantized.loaders if quantized else {}
+    if swap:
+        installers = to_host_after(installers, model, swap)
     shapes = {key: tuple(t.shape) for key, (_, t) in model_tensors(model).items()}
     stage["phase"] = "allocating (to_empty)"
     with left_on_meta(model, installers):
-        model.to_empty(device=torch.device("cpu") if offload else device)
+        model.to_empty(device=torch.device("cpu") if offload or swap else device)
     stage["phase"] = "random init"
     with torch.no_grad():
         pools: dict = {}
@@ -176,6 +192,9 @@ def build_model(family, device: torch.device, mesh, stage: dict):
             install(weight.mul_(0.02))  # the file's tensor, in bf16
             del weight
         family.init_buffers(model)
+    if swap:
+        stage["phase"] = f"placing (the last {swap} blocks' frozen weights in host memory)"
+        install_block_swap(model, swap, device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"{len(left)} tensors left on meta, e.g. {left[0]}")
@@ -239,6 +258,8 @@ def _lever_row(kind, arch, lever, device, work, smoke, check, shared, stage) -> 
     model = build_model(family, device, mesh, stage)
     built = time.perf_counter() - started
     frozen = frozen_bytes(model)
+    swapped = getattr(model, "block_swap", None)
+    host = frozen_bytes(model, swapped.blocks) if swapped is not None else 0
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(trained, family.config.train)
     inputs = step_inputs(kind, arch, pixels, tokens, device)
@@ -281,6 +302,9 @@ def _lever_row(kind, arch, lever, device, work, smoke, check, shared, stage) -> 
         else f"{warmup:.2f} s/step (the warm-up only)"
     )
     where = "in host memory" if offload else f"on {device.type}"
+    if swapped is not None:  # the device's part, then the host's
+        frozen -= host
+        where += f", {gib(host)} in host memory (offload = {len(swapped.blocks)})"
     plain = f", {stage['skipped']} weights left plain" if stage["skipped"] else ""
     if not math.isfinite(stage["loss"]):
         plain += f", loss {stage['loss']} (random weights)"
@@ -290,13 +314,17 @@ def _lever_row(kind, arch, lever, device, work, smoke, check, shared, stage) -> 
     )
 
 
-def frozen_bytes(model) -> int:
+def frozen_bytes(model, blocks=None) -> int:
     """Bytes of the frozen parameters and buffers as held (`quantization.tensor_nbytes`; a
-    DTensor by its local shard: its flattening also names the device mesh in torch 2.13)."""
+    DTensor by its local shard: its flattening also names the device mesh in torch 2.13), or
+    those of the swapped `blocks` only (`train.offload = N`)."""
     from torch.distributed.tensor import DTensor
 
+    from splitstage.tasks.stage2.block_swap import swapped_frozen
     from splitstage.tasks.stage2.quantization import tensor_nbytes
 
+    if blocks is not None:
+        return sum(tensor_nbytes(t) for t in swapped_frozen(blocks))
     frozen = [p for p in model.parameters() if not p.requires_grad]
     tensors = [t.to_local() if isinstance(t, DTensor) else t for t in [*frozen, *model.buffers()]]
     return sum(tensor_nbytes(t) for t in tensors)

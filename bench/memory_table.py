@@ -232,8 +232,10 @@ def page(rows: Sequence[str]) -> str:
             "",
             "Estimates, not measurements: within 15% of torch's tracker on the same step "
             "(`tests/unit/test_memory_plan_families.py`, tiny models). FSDP over several GPUs "
-            "divides the trained model's weights, gradients and optimizer state by the ranks "
-            "(not shown: one GPU here).",
+            "is estimated by torch's `FSDPMemTracker` on the model as `fully_shard` shards it "
+            "over a fake process group (rank 0's shards plus the all-gathered blocks, "
+            "`gathered_blocks`; within 15% of the per-rank peak measured under torchrun, "
+            "`tests/integration/test_memory_fsdp.py`; not shown: one GPU here).",
             "",
             "Regenerate after a change to the estimate, the levers or a config: "
             "`.venv/bin/python bench/memory_table.py --write` (55 minutes on two shared CPU "

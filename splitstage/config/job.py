@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -367,11 +367,13 @@ class TrainConfig(Group):
         "by tensor (torchao weight-only: int8, float8 e4m3, NF4 as in QLoRA); LoRA params stay "
         "fp32. Needs the `quantization` extra (torchao).",
     )
-    offload: Literal["none", "cpu"] = Field(
+    offload: Literal["none", "cpu"] | Annotated[int, Field(strict=True, ge=1)] = Field(
         "none",
         description="'cpu': keep the trained model's weights in host memory and bring each block "
         "to the device only while it runs (FSDP2's CPUOffloadPolicy); the optimizer steps on "
-        "the CPU.",
+        "the CPU. A number N (LoRA, with gradient checkpointing): the frozen weights of the "
+        "trained model's last N blocks stay in host memory and each layer copies its own to the "
+        "device while it runs (musubi-tuner's blocks_to_swap); combines with base_quantization.",
     )
     nnodes: int = Field(1, ge=1)
     nproc_per_node: int = Field(1, ge=1)
@@ -406,6 +408,16 @@ class TrainConfig(Group):
     @classmethod
     def _device_memory(cls, value: Any) -> int | None:
         return None if value is None else parse_size(value, "train.device_memory")
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload(cls, value: Any) -> Any:
+        if value in ("none", "cpu") or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(
+            f"{value!r} is not an offload: use 'none', 'cpu' (FSDP2's CPU offload) or a whole "
+            "number of blocks >= 1 whose frozen weights stay in host memory (e.g. offload = 8)"
+        )
 
     @field_validator("checkpoint_url")
     @classmethod
@@ -445,6 +457,8 @@ def check_memory_levers(train: TrainConfig, trainable: TrainableConfig) -> None:
     """`train.base_quantization` and `train.offload` where they can run, else one line saying
     what can."""
     kind, offload = train.base_quantization, train.offload
+    if isinstance(offload, int):
+        check_block_offload(train, trainable)
     if kind != "none":
         where = f"train.base_quantization = '{kind}'"
         if trainable.lora_base_model is None:
@@ -463,17 +477,16 @@ def check_memory_levers(train: TrainConfig, trainable: TrainableConfig) -> None:
                 f"{where} quantizes each weight as its rank reads it: set "
                 "train.weights_loading = 'slices'"
             )
-        if offload != "none":
+        if offload == "cpu":
             raise ValueError(
-                f"{where} and train.offload = '{offload}' do not combine yet: pick one (a "
-                "quantized base saves more device memory for a LoRA; offload also serves full "
-                "fine-tuning)"
+                f"{where} and train.offload = 'cpu' do not combine yet: keep the quantized "
+                "blocks in host memory with train.offload = N (a number of blocks) instead"
             )
         if importlib.util.find_spec("torchao") is None:
             raise ValueError(f"{where} needs torchao: pip install 'splitstage[quantization]'")
     ranks = train.nnodes * train.nproc_per_node
     if (
-        offload != "none"
+        offload == "cpu"
         and train.parallelism != "fsdp"
         and (ranks > 1 or train.parallelism != "ddp")
     ):
@@ -481,6 +494,30 @@ def check_memory_levers(train: TrainConfig, trainable: TrainableConfig) -> None:
             f"train.offload = '{offload}' runs through FSDP2: on one process, or with "
             f"train.parallelism = 'fsdp' (not '{train.parallelism}' on {ranks} ranks)"
         )
+
+
+def check_block_offload(train: TrainConfig, trainable: TrainableConfig) -> None:
+    """`train.offload = N` (blocks in host memory) where it can run, else one line saying what
+    can; N against the model's block count is checked before launch (`preflight`)."""
+    where = f"train.offload = {train.offload}"
+    if trainable.lora_base_model is None:
+        raise ValueError(
+            f"{where} keeps the frozen base of a LoRA's blocks in host memory, but this job "
+            "trains every weight of its model; use train.offload = 'cpu' for full fine-tuning"
+        )
+    if train.parallelism != "ddp":
+        raise ValueError(
+            f"{where} runs on one process or with train.parallelism = 'ddp' (each rank swaps "
+            f"its own copy of the base), not '{train.parallelism}'; FSDP offloads with "
+            "train.offload = 'cpu'"
+        )
+    if not train.gradient_checkpointing:
+        raise ValueError(
+            f"{where} needs train.gradient_checkpointing = true: without recompute, autograd "
+            "keeps every swapped block's device weights until backward, which saves nothing"
+        )
+    if train.weights_loading != "slices":
+        raise ValueError(f"{where} loads with train.weights_loading = 'slices'")
 
 
 class SplitstageConfig(Group):

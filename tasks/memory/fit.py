@@ -4,8 +4,10 @@ The levers are tried in the documented order (docs/job-config.md), each added to
 before it: gradient checkpointing; a bf16 frozen base (LoRA); the micro-batch halved down to 1
 with more accumulation (the global batch kept); FSDP over the job's own ranks (when it has
 several and runs `ddp`); a quantized base, int8 then NF4 (LoRA, where `check_memory_levers`
-allows; in place of FSDP, which it cannot use yet); CPU offload (in place of quantization). A
-lever the job cannot use is skipped. Each candidate costs one estimate (one fake step); the
+allows; in place of FSDP, which it cannot use yet); the quantized base's last N blocks in host
+memory (`offload = N`: the job's own kind or int8, N = 2, 4, 8, ... then every block: the
+smallest power of two that fits); CPU offload (in place of quantization). A lever the job
+cannot use is skipped. Each candidate costs one estimate (one fake step); the
 first that fits is kept. Rank 0 chooses (`tasks/stage2/preflight.py`), every rank applies the
 same overrides (`rank_setup.py`), the run records them and a resume re-uses them.
 """
@@ -23,6 +25,7 @@ from splitstage.tasks.device import pick_dtype
 from splitstage.tasks.job_plan import JobPlan, make_plan
 from splitstage.tasks.memory.budget import STAGE_WORDS, MemoryBudgetError
 from splitstage.tasks.memory.memory_plan import MemoryPlan, estimate_memory, gib
+from splitstage.tasks.stage2.block_swap import repeated_blocks
 from splitstage.tasks.stage2.models import parallel_mode
 
 Overrides = dict[str, Any]  # [train] field -> value
@@ -77,8 +80,11 @@ def apply_fit(config: SplitstageConfig, overrides: Overrides) -> None:
         setattr(config.train, name, value)
 
 
-def fit_candidates(config: SplitstageConfig, device: torch.device) -> Iterator[Overrides]:
-    """The override sets to try, cheapest first, each adding a lever to the ones before it."""
+def fit_candidates(
+    config: SplitstageConfig, device: torch.device, blocks: int | None = None
+) -> Iterator[Overrides]:
+    """The override sets to try, cheapest first, each adding a lever to the ones before it;
+    `blocks`: the LoRA base's repeated blocks (counted on meta when not given)."""
     train = config.train
     lora = config.trainable.lora_base_model is not None
     kept: Overrides = {}
@@ -106,9 +112,28 @@ def fit_candidates(config: SplitstageConfig, device: torch.device) -> Iterator[O
     stronger = {"none": ("int8", "nf4"), "int8": ("nf4",), "fp8": ("nf4",)}
     for kind in stronger.get(train.base_quantization, ()) if lora else ():
         yield unsharded | {"base_quantization": kind}
+    if lora and train.offload == "none":  # a quantized base's blocks in host memory
+        kind = "int8" if train.base_quantization == "none" else train.base_quantization
+        swapped = unsharded | {"base_quantization": kind, "gradient_checkpointing": True}
+        for count in swap_counts(blocks if blocks is not None else base_blocks(config)):
+            yield swapped | {"offload": count}
     if train.offload == "none":
         plain = {"base_quantization": "none"} if train.base_quantization != "none" else {}
         yield kept | {"offload": "cpu", **plain}
+
+
+def swap_counts(blocks: int) -> list[int]:
+    """The `offload = N` tried, fewest first: 2, 4, 8, ... below `blocks`, then all of them (a
+    fake step each: the smallest power of two that fits, in log2(blocks) estimates). One block
+    is not tried: the device holds a swapped block while it runs, so one saves nothing."""
+    powers = [1 << shift for shift in range(1, max(blocks - 1, 0).bit_length())]
+    return [*powers, blocks] if blocks > 1 else []
+
+
+def base_blocks(config: SplitstageConfig) -> int:
+    """How many repeated blocks the LoRA base has (built on meta)."""
+    plan = make_plan(config)
+    return len(repeated_blocks(plan.meta_model(config.trainable.lora_base_model)))
 
 
 def usable(config: SplitstageConfig, plan: JobPlan) -> bool:
@@ -136,7 +161,9 @@ def choose_fit(plan: JobPlan, memory: MemoryPlan) -> tuple[FitChoice, MemoryPlan
         return FitChoice({}, "fits", current.peak_bytes), memory
     device = torch.device(memory.device)
     tried: list[tuple[Overrides, int]] = []
-    for overrides in fit_candidates(plan.config, device):
+    base = plan.config.trainable.lora_base_model
+    blocks = len(repeated_blocks(plan.meta_model(base))) if base is not None else 0
+    for overrides in fit_candidates(plan.config, device, blocks):
         config = plan.config.model_copy(deep=True)
         apply_fit(config, overrides)
         if not usable(config, plan):

@@ -2,23 +2,30 @@
 
 Computed, not guessed: the stage's models built on the meta device from the folder's configs,
 made fake, and one stage-1 batch and one stage-2 micro-step of the ranks' own code run under
-torch's FakeTensorMode with its MemTracker (`tracked_step`). Data-parallel sharding (FSDP, TP)
-divides the sharded parts by the ranks that share them; a fixed allowance stands for the CUDA
-context and the allocator on a GPU.
+torch's FakeTensorMode with its MemTracker (`tracked_step`). FSDP is estimated on the trained
+model as `fully_shard` shards it over a fake process group, under torch's FSDPMemTracker
+(`sharded_step`); tensor parallelism alone (and FSDP where that cannot run) divides the sharded
+parts by the ranks that share them; a fixed allowance stands for the CUDA context and the
+allocator on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from splitstage.config.job import SplitstageConfig
 from splitstage.pipelines.runtime import collate_samples, split_batch
 from splitstage.tasks.device import pick_device, pick_dtype
-from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.job_plan import JobPlan, make_plan
+from splitstage.tasks.memory.sharded_step import fake_world, fsdp_world, shard_trained
 from splitstage.tasks.memory.stage_models import (
     fake,
     quantize_base,
@@ -26,6 +33,7 @@ from splitstage.tasks.memory.stage_models import (
     synthetic_sample,
 )
 from splitstage.tasks.memory.tracked_step import stage1_peak, stage2_peak, storage_bytes
+from splitstage.tasks.stage2.block_swap import swapped_blocks, swapped_frozen
 from splitstage.tasks.stage2.models import parallel_mode
 from splitstage.tasks.stage2.parallelize import find_blocks
 
@@ -40,6 +48,7 @@ PART_ORDER = (
     "gradients",
     "optimizer_state",
     "ema",
+    "gathered_blocks",
     "activations",
     "inputs",
     "offload_window",
@@ -156,20 +165,11 @@ def estimate_memory(
             f"{plan.family.no_fake_steps_because}"
         )
     device = device or pick_device()
-    sample = synthetic_sample(plan)
-    stages = ("stage1", "stage2") if stage2 else ("stage1",)
-    built = {stage: stage_models(plan, stage, device) for stage in stages}
-    # Built on meta outside the mode, made fake in it. The step runs outside it: ops on fake
-    # tensors stay fake, while what a step makes from constants (a scheduler's tables, the
-    # draws) is real and small, so the ranks' `.item()` on them works.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = {stage: {n: fake(m) for n, m in models.items()} for stage, models in built.items()}
-        if stage2:
-            quantize_base(plan, fakes["stage2"])
-        sample = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in sample.items()}
-    first, cached = _stage1(plan, sample, fakes["stage1"], device)
-    second = _stage2(plan, sample, cached, fakes["stage2"], device) if stage2 else None
+    world = fsdp_world(config) if stage2 else None
+    if world is not None and dist.is_initialized():
+        return _estimate_in_a_fresh_process(config, device)
+    with fake_world(*world) if world else contextlib.nullcontext() as mesh:
+        first, second = _estimate_stages(plan, device, stage2, mesh)
     if device.type == "cuda":
         for stage in (first, second):
             if stage is not None:
@@ -179,16 +179,34 @@ def estimate_memory(
         "fake tensors (no weights read)"
     ]
     mode_name, shards = sharding(config)
-    if shards > 1:
+    if world is not None:
+        notes.append(
+            f"{mode_name}: stage 2 estimated by torch's FSDPMemTracker on the trained model as "
+            f"fully_shard shards it over a fake process group of {shards} ranks (rank 0's "
+            "shards; gathered_blocks: the blocks all-gathered in forward and backward, and "
+            "their gradients before the reduce-scatter, which with gradient accumulation each "
+            "rank holds unsharded for the whole model until the update's last backward)"
+        )
+    elif shards > 1:
         notes.append(
             f"{mode_name}: the trained model's weights, gradients, optimizer state and EMA are "
-            f"divided by the {shards} ranks sharding them; the all-gathered block FSDP "
-            "holds in forward and backward is not counted"
+            f"divided by the {shards} ranks sharding them"
+            + (
+                "; the all-gathered block FSDP holds in forward and backward is not counted"
+                if "fsdp" in mode_name
+                else ""
+            )
         )
     if config.train.offload == "cpu":
         notes.append(
             "offload: the trained model's weights, gradients, optimizer state and EMA are in "
             "host memory; the device holds two of its blocks' weights at a time (offload_window)"
+        )
+    if isinstance(config.train.offload, int):
+        notes.append(
+            f"offload = {config.train.offload}: the frozen weights of the trained model's last "
+            f"{config.train.offload} blocks are in host memory; the device holds the largest "
+            "of them while it runs (offload_window: one block, copied as it runs, no prefetch)"
         )
     if config.train.base_quantization != "none":
         notes.append(
@@ -202,6 +220,42 @@ def estimate_memory(
         )
     budget = device_budget(config.train.device_memory, device)
     return MemoryPlan(str(device), first, second, budget, notes)
+
+
+def _estimate_stages(
+    plan: JobPlan, device: torch.device, stage2: bool, mesh: Any
+) -> tuple[StageMemory, StageMemory | None]:
+    """Stage 1's and (with `stage2`) stage 2's parts on fake tensors; with `mesh` (a fake
+    world), the trained model sharded on it as the ranks shard it."""
+    sample = synthetic_sample(plan)
+    stages = ("stage1", "stage2") if stage2 else ("stage1",)
+    built = {stage: stage_models(plan, stage, device) for stage in stages}
+    sharded = shard_trained(plan, built["stage2"], mesh) if mesh is not None else None
+    # Built on meta outside the mode, made fake in it. The step runs outside it: ops on fake
+    # tensors stay fake, while what a step makes from constants (a scheduler's tables, the
+    # draws) is real and small, so the ranks' `.item()` on them works.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = {stage: {n: fake(m) for n, m in models.items()} for stage, models in built.items()}
+        if stage2:
+            quantize_base(plan, fakes["stage2"])
+        sample = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in sample.items()}
+    first, cached = _stage1(plan, sample, fakes["stage1"], device)
+    if not stage2:
+        return first, None
+    return first, _stage2(plan, sample, cached, fakes["stage2"], device, sharded)
+
+
+def _estimate_in_a_fresh_process(config: SplitstageConfig, device: torch.device) -> MemoryPlan:
+    """The plan computed in a child process: this one has a real process group (a rank), and
+    the fake one FSDP is estimated on would replace it."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_estimate_from_config, config, str(device)).result()
+
+
+def _estimate_from_config(config: SplitstageConfig, device: str) -> MemoryPlan:
+    """`estimate_memory` of a job's config (the child process's entry)."""
+    return estimate_memory(make_plan(config), torch.device(device))
 
 
 def sharding(config: SplitstageConfig) -> tuple[str, int]:
@@ -231,8 +285,10 @@ def _stage2(
     cached: dict[str, Any],
     models: dict[str, Any],
     device: torch.device,
+    sharded: Any = None,
 ) -> StageMemory:
-    """Stage 2's parts per rank: one micro-step at train.batch_size."""
+    """Stage 2's parts per rank: one micro-step at train.batch_size; with `sharded` (the trained
+    model as fully_shard wrapped it) under FSDPMemTracker, its parts already the rank's."""
     config = plan.config
     train = config.train
     unsplit = train.mode == "unsplit"
@@ -240,7 +296,10 @@ def _stage2(
     inputs = collate_samples([dict(one) for _ in range(train.batch_size)])
     units = list(plan.units) if unsplit else plan.v1_units
     dtype = pick_dtype(train.mixed_precision, device)
-    parts = stage2_peak(plan.family, units, models, inputs, train, device, dtype, config.job.seed)
+    seed = config.job.seed
+    parts = stage2_peak(
+        plan.family, units, models, inputs, train, device, dtype, seed, sharded=sharded
+    )
     _, shards = sharding(config)
     trained = [models[name] for name in config.trainable.models() if name in models]
     frozen = [p for m in trained for p in m.parameters() if not p.requires_grad]
@@ -252,7 +311,12 @@ def _stage2(
             (storage_bytes(list(block.parameters())) for m in trained for block in find_blocks(m)),
             default=0,
         )
-    elif shards > 1:
+    elif isinstance(train.offload, int):  # the LoRA base's last N blocks' frozen weights on
+        base = models.get(config.trainable.lora_base_model)  # the host, one on the device
+        swapped = [swapped_frozen([b]) for b in swapped_blocks(base, train.offload)]
+        parts["frozen_weights"] -= storage_bytes([p for block in swapped for p in block])
+        parts["offload_window"] = max(map(storage_bytes, swapped), default=0)
+    elif shards > 1 and sharded is None:
         parts["frozen_weights"] -= storage_bytes(frozen) - storage_bytes(frozen) // shards
         for part in SHARDED_PARTS:
             parts[part] //= shards

@@ -23,6 +23,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from splitstage.config.job import TrainConfig
 from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.runtime import RunnableUnit, StepContext, run_units
+from splitstage.tasks.memory.sharded_step import (
+    ShardedTracker,
+    hold_accumulated_gradients,
+    sharded_peak_parts,
+)
 from splitstage.tasks.stage2.optimization import TrainedAverage, build_optimizer
 
 CATEGORY_PARTS = {  # MemTracker's categories -> this plan's parts
@@ -86,7 +91,9 @@ def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages under a tensor: its own, or a quantized tensor's parts' (data, scales)."""
-    if is_traceable_wrapper_subclass(tensor) and not isinstance(tensor, DTensor):
+    if isinstance(tensor, DTensor):  # a sharded parameter: this rank's shard
+        return _storages(tensor.to_local())
+    if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         parts = [getattr(tensor, name) for name in names]
         return [s for part in parts if isinstance(part, torch.Tensor) for s in _storages(part)]
@@ -155,9 +162,14 @@ def stage2_peak(
     device: torch.device,
     compute_dtype: torch.dtype,
     seed: int,
+    *,
+    sharded: nn.Module | None = None,
 ) -> dict[str, int]:
     """Parts at the peak of one steady-state micro-step: the optimizer's state (and the EMA)
-    already made by an update before it, then V1 units, loss, backward and the update."""
+    already made by an update before it, then V1 units, loss, backward and the update; with
+    `sharded` (the trained model as `fully_shard` wrapped it) under FSDPMemTracker, the last
+    micro-batch of an update (after one that left its gradients unreduced, as FSDP2 holds them
+    with gradient accumulation)."""
     params = [p for model in models.values() for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, train)
     for param in params:  # the state exists from the first update on: make it first
@@ -171,24 +183,34 @@ def stage2_peak(
         param.grad = None
     average = TrainedAverage(params, train.ema.decay, 0) if train.ema else None
     ema = storage_bytes(average.ema.shadow_params) if average is not None else 0
-    tracker = Tracker()
+    weights = weight_parts(models)  # this rank's shards where `sharded`
+
+    def forward_backward(batch: dict[str, Any]) -> None:
+        """V1 units, the family's loss and backward on `batch` (the ranks' micro-batch)."""
+        draws = Draws.per_sample(seed, step_keys(_batch_size(batch)), 0)
+        ctx = StepContext(models, device, draws, family.settings())
+        with autocast_as_ranks(compute_dtype, device):
+            run_units(units, ctx, batch)
+            loss = family.training_loss(ctx, batch)
+        loss.backward()
+
+    if sharded is not None and train.gradient_accumulation_steps > 1:
+        hold_accumulated_gradients(sharded, lambda: forward_backward(dict(inputs)))
+    tracker = Tracker() if sharded is None else ShardedTracker(sharded, optimizer)
     tracker.track_external(*models.values(), optimizer, *_tensors(inputs))
     if average is not None:
         tracker.track_external(*average.ema.shadow_params)
-    size = _batch_size(inputs)
-    draws = Draws.per_sample(seed, step_keys(size), 0)
-    ctx = StepContext(models, device, draws, family.settings())
     with tracker:
-        with autocast_as_ranks(compute_dtype, device):
-            run_units(units, ctx, inputs)
-            loss = family.training_loss(ctx, inputs)
-        loss.backward()
+        forward_backward(inputs)
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if average is not None:
             average.step()
-    parts = peak_parts(tracker, weight_parts(models), ema)
+    if sharded is None:
+        parts = peak_parts(tracker, weights, ema)
+    else:
+        parts = sharded_peak_parts(tracker, weights, ema)
     parts["optimizer_state"] += probed  # held through the whole step (its update's own
     return parts  # temporaries are not counted then)
 
@@ -197,7 +219,8 @@ def probed_state_bytes(params: Sequence[torch.Tensor], train: TrainConfig) -> in
     """The optimizer's state bytes for `params`, from its real class stepped on a real random
     tensor of each distinct shape and dtype, one at a time (for optimizers whose step reads
     values, which fake tensors do not have)."""
-    shapes = Counter((tuple(p.shape), p.dtype) for p in params)
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]  # a rank's shards
+    shapes = Counter((tuple(p.shape), p.dtype) for p in local)
     total = 0
     for (shape, dtype), count in shapes.items():
         probe = nn.Parameter(torch.randn(shape).to(dtype))

@@ -13,6 +13,7 @@ from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family
 from splitstage.tasks.device import pick_dtype
 from splitstage.tasks.job_plan import JobPlan
+from splitstage.tasks.stage2.block_swap import install_block_swap, to_host_after
 from splitstage.tasks.stage2.distributed import DistInfo, build_mesh
 from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
@@ -242,6 +243,20 @@ def held_dtypes(name: str, model: nn.Module) -> str:
     return f"{name}: frozen base {base}, trained params {names(trained)}"
 
 
+def where_held(config: SplitstageConfig, name: str, trained_names: list[str]) -> str:
+    """What `train.offload` keeps of model `name` in host memory, for its log line ('' if
+    nothing)."""
+    offload = config.train.offload
+    if offload == "cpu" and name in trained_names:
+        return " (in host memory: train.offload = 'cpu')"
+    if isinstance(offload, int) and name == config.trainable.lora_base_model:
+        return (
+            f" (the frozen weights of its last {offload} blocks in host memory: "
+            f"train.offload = {offload})"
+        )
+    return ""
+
+
 def print_line(line: str) -> None:
     """A line the launcher streams (rank 0's stdout)."""
     print(line, flush=True)
@@ -262,6 +277,7 @@ def build_stage2_models(
     trained_names = [n for n in config.trainable.models() if n in names]
     mode, dp, tp = parallel_mode(config, dist_info.world_size)
     offload = config.train.offload == "cpu"
+    swap = config.train.offload if isinstance(config.train.offload, int) else 0
     if offload and mode == "none":  # one process: FSDP2 on a one-rank mesh keeps it on the host
         mode = "fsdp"
     mesh = build_mesh(dp, tp, dist_info.world_size) if mode != "none" else None
@@ -271,6 +287,11 @@ def build_stage2_models(
     for name in names:
         weights = family.weights_file(name) if name in trained_names else None
         if weights is None:  # frozen, or a trained model its family builds loaded
+            if swap and name == config.trainable.lora_base_model:
+                raise ConfigError(
+                    f"train.offload = {swap}: '{name}' is built loaded, not read from a weights "
+                    "file, so its blocks cannot be placed as they load; set train.offload = 'none'"
+                )
             model = family.build_model(name, dist_info.device)
             if name in trained_names:
                 model.requires_grad_(True)
@@ -288,28 +309,29 @@ def build_stage2_models(
             family.tp_prepare(model, tp)
         path, key_prefix = weights
         quantized = quantizing_base(model, name, family, dist_info.device)
+        installers = quantized.loaders if quantized else None
+        swapped = swap if name == config.trainable.lora_base_model else 0
+        if swapped and installers:  # the swapped blocks' weights go to the host as they load
+            installers = to_host_after(installers, model, swapped)
         materialize_and_load(
             model,
             path,
             strategy=config.train.weights_loading,
             key_prefix=key_prefix,
             buffers_init=family.init_buffers,
-            device=load_device,
+            device=torch.device("cpu") if swapped else load_device,
             adapter_seed=config.job.seed,
-            installers=quantized.loaders if quantized else None,
+            installers=installers,
         )
+        if swapped:
+            install_block_swap(model, swapped, dist_info.device)
         models[name] = model
     for name, model in models.items():
         if name not in trained_names:
             model.eval().requires_grad_(False)
     if log is not None or dist_info.is_main:
         for name, model in models.items():
-            where = (
-                " (in host memory: train.offload = 'cpu')"
-                if offload and name in trained_names
-                else ""
-            )
-            (log or print_line)(held_dtypes(name, model) + where)
+            (log or print_line)(held_dtypes(name, model) + where_held(config, name, trained_names))
     return Stage2Models(
         models=models,
         trained=trained_names,

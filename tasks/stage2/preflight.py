@@ -143,6 +143,22 @@ def check_gradient_checkpointing(plan: JobPlan) -> None:
         plan.family.check_gradient_checkpointing(name)
 
 
+def check_offload_blocks(plan: JobPlan) -> None:
+    """train.offload = N: the LoRA base has at least N repeated blocks (counted on meta)."""
+    config = plan.config
+    count, base = config.train.offload, config.trainable.lora_base_model
+    if not isinstance(count, int) or base is None:
+        return
+    from splitstage.tasks.stage2.block_swap import repeated_blocks
+
+    blocks = len(repeated_blocks(plan.meta_model(base)))
+    if count > blocks:
+        raise ConfigError(
+            f"train.offload = {count} blocks, but '{base}' has {blocks} repeated blocks; set "
+            f"train.offload to at most {blocks}"
+        )
+
+
 def check_cache(plan: JobPlan, data: DataIndex, result: Preflight) -> None:
     """The cache exists and holds exactly the data set's samples (or training was told to go on)."""
     config = plan.config
@@ -334,6 +350,7 @@ def check_job(plan: JobPlan, *, optimizer_package: bool = True) -> list[str]:
     targets = check_trainable(plan)
     check_export(plan)
     check_gradient_checkpointing(plan)
+    check_offload_blocks(plan)
     return targets
 
 

@@ -1,7 +1,8 @@
 """bench/gpu_check.sh's lever rows at tiny sizes on this CPU (the GPU path itself needs a GPU):
 FLUX.1-dev-size and Qwen-Image-size transformers, shrunk, through stage 2's own build for a bf16
-base, each base_quantization and offload = "cpu"; every row reports its step time and frozen
-bytes, and the quantized bases hold fewer bytes than the bf16 one.
+base, each base_quantization, offload = "cpu" and an int8 base with half its blocks swapped
+(offload = N); every row reports its step time and frozen bytes, the quantized bases hold fewer
+bytes than the bf16 one, and the swapped int8 base fewer on the device than the int8 one.
 Run: .venv/bin/pytest -m slow tests/integration/test_gpu_check_smoke.py
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-LEVERS = ("bf16 base", "int8", "fp8", "nf4", "offload cpu")
+LEVERS = ("bf16 base", "int8", "fp8", "nf4", "offload cpu", "int8 + offload half the blocks")
 MODELS = ("flux (FLUX.1-dev size)", "qwenimage (Qwen-Image size)")
 RESULT = re.compile(r"(\d+\.\d+) s/step \(median of \d\), frozen (\d+\.\d+) MiB (on|in) ")
 
@@ -47,6 +48,7 @@ def test_cpu_smoke_reports_every_lever_row():
         assert frozen["int8"] <= 0.55 * frozen["bf16 base"], frozen
         assert frozen["fp8"] <= 0.55 * frozen["bf16 base"], frozen
         assert frozen["nf4"] <= 0.3 * frozen["bf16 base"], frozen
+        assert frozen["int8 + offload half the blocks"] < frozen["int8"], frozen
 
 
 ESTIMATE = re.compile(r"estimate (\d+\.\d) MiB / tracked (\d+\.\d) MiB = (\d+\.\d+) \(CPU\)")
