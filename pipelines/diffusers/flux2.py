@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from splitstage.config.job import ConfigError
 from splitstage.pipelines.diffusers.base import DTYPES
@@ -27,6 +29,7 @@ from splitstage.pipelines.diffusers.flux2_latents import (
     make_bn_sampler,
     pack,
 )
+from splitstage.pipelines.diffusers.flux2_lora import kohya_flux2_state, unplaced_modules
 from splitstage.pipelines.diffusers.flux2_sampling import flux2_sample
 from splitstage.pipelines.diffusers.flux2_text import (
     OUT_LAYERS,
@@ -39,8 +42,13 @@ from splitstage.pipelines.diffusers.lora_export import (
     DIFFUSERS_WEIGHT_NAME,
     diffusers_lora_metadata,
     diffusers_lora_state,
+    kohya_lora_metadata,
 )
-from splitstage.pipelines.diffusers.mmdit import MMDIT_LORA_TARGETS, FlowTransformerFamily
+from splitstage.pipelines.diffusers.mmdit import (
+    JOINT_BLOCK_TP,
+    MMDIT_LORA_TARGETS,
+    FlowTransformerFamily,
+)
 from splitstage.pipelines.diffusers.recipes import flow_draw
 from splitstage.pipelines.diffusers.text import split_empty, with_empty
 from splitstage.pipelines.family import ExportRequest, TrainingStep
@@ -49,6 +57,25 @@ from splitstage.pipelines.runtime import StepContext
 # Both streams' attention of the double blocks, and the single blocks' fused QKV + MLP input
 # (diffusers' Flux2 LoRA tests adapt to_qkv_mlp_proj: the single blocks have no to_q / to_k).
 FLUX2_LORA_TARGETS = (*MMDIT_LORA_TARGETS, "attn.to_qkv_mlp_proj")
+# A fused projection whose output packs blocks ([gate | linear] of a SwiGLU; [Q | K | V | gate |
+# linear] of a single block) cannot be split into contiguous column shards that each hold whole
+# pieces of every block, and diffusers' own PackedColwiseParallel shards block by block into
+# DTensors whose Shard(0) placement misdescribes their rows (full_tensor(), DCP resharding and the
+# LoRA export would read them permuted). So a fused layer is sharded plainly and its output
+# gathered (every rank then splits the whole packed output, as unsharded), and the layer that
+# reads it back takes a replicated input it slices for its row shard: the weights and their
+# matmuls are sharded, the activations between the two stay whole. Attention of the double
+# blocks is Megatron-style (heads sharded), as FLUX.1's; the modulations stay replicated.
+GATHERED = ColwiseParallel(output_layouts=Replicate())
+FROM_WHOLE = RowwiseParallel(input_layouts=Replicate())
+FLUX2_TP = {name: style for name, style in JOINT_BLOCK_TP.items() if ".ff" not in name} | {
+    "transformer_blocks.*.ff.linear_in": GATHERED,
+    "transformer_blocks.*.ff.linear_out": FROM_WHOLE,
+    "transformer_blocks.*.ff_context.linear_in": GATHERED,
+    "transformer_blocks.*.ff_context.linear_out": FROM_WHOLE,
+    "single_transformer_blocks.*.attn.to_qkv_mlp_proj": GATHERED,
+    "single_transformer_blocks.*.attn.to_out": FROM_WHOLE,
+}
 
 
 class Flux2Family(FlowTransformerFamily):
@@ -74,7 +101,7 @@ class Flux2Family(FlowTransformerFamily):
     text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds",)
     default_lora_targets = FLUX2_LORA_TARGETS
-    tp_plans = {}  # no tensor-parallel plan yet (its single blocks fuse attention and MLP)
+    tp_plans = {"transformer": FLUX2_TP}
 
     # -- units -----------------------------------------------------------------------------------
     @cached_property
@@ -89,17 +116,7 @@ class Flux2Family(FlowTransformerFamily):
         text = self.folder.config("text_encoder")
         layers = int(text.get("text_config", text).get("num_hidden_layers", 0))
         check_encoder(self.tokenizer("text_encoder"), layers)
-        self.check_no_tensor_parallel()
         return make_bn_sampler(self.bn_stats)
-
-    def check_no_tensor_parallel(self) -> None:
-        """Refuse tensor parallelism before launch: no TP plan yet (fused gate/up projections)."""
-        mode = self.config.train.parallelism
-        if mode in ("tp", "fsdp+tp"):
-            raise ConfigError(
-                f"train.parallelism = {mode!r}: the {self.name} family has no tensor-parallel "
-                "plan yet; use 'ddp' or 'fsdp'"
-            )
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
         """Embeddings [B, L, 3 D] of the prompts and of '' (caption dropout)."""
@@ -162,11 +179,25 @@ class Flux2Family(FlowTransformerFamily):
         """Normalised patched latents -> images in [-1, 1]."""
         return decode(decoder, self.bn_stats, latents)
 
+    def check_export(self, model_name: str, request: ExportRequest, keys: Sequence[str]) -> None:
+        """As the other families; a LoRA also of modules the kohya FLUX.2 layout cannot name
+        (diffusers' reader would drop them) is refused before launch."""
+        super().check_export(model_name, request, keys)
+        modules = [key.removesuffix(".lora_A.weight") for key in keys]
+        if request.lora and (unnamed := unplaced_modules(modules, request.targets)):
+            raise ConfigError(
+                f"trainable.lora_target_modules: the {self.name} kohya / ComfyUI LoRA file has "
+                f"no name for {', '.join(unnamed[:3])} (BFL's layout names the blocks' "
+                "attention, MLPs and fused projections, img_in, txt_in, time_in and the final "
+                "linear); leave them out of the targets"
+            )
+
     def export_files(
         self, model_name: str, state: dict[str, torch.Tensor], request: ExportRequest
     ) -> dict[str, tuple[str, bytes]]:
-        """LoRA: diffusers' pytorch_lora_weights.safetensors only (diffusers 0.42 reads a kohya
-        FLUX.2 LoRA in BFL's fused-QKV names, not a module-path layout); full: as the others."""
+        """LoRA: diffusers' pytorch_lora_weights.safetensors and the kohya / ComfyUI file in
+        BFL's names (q, k, v fused: flux2_lora), which Flux2Pipeline.load_lora_weights reads
+        too; full: as the others."""
         if not request.lora:
             return super().export_files(model_name, state, request)
         from safetensors.torch import save
@@ -175,4 +206,22 @@ class Flux2Family(FlowTransformerFamily):
         meta = {"format": "pt"}
         meta |= diffusers_lora_metadata(model_name, request.rank, request.alpha, request.targets)
         tensors = diffusers_lora_state(lora, model_name)
-        return {model_name: (DIFFUSERS_WEIGHT_NAME, save(tensors, meta))}
+        kohya_meta = kohya_lora_metadata(
+            "flux",
+            base_model=self.folder.root.name,
+            rank=request.rank,
+            alpha=request.alpha,
+            resolution=self.config.pipeline.resolution,
+            steps=request.steps,
+            base_model_version="flux2",
+            output_name=self.config.job.name,
+            extra={"ss_network_module": "networks.lora_flux_2"},  # musubi-tuner's FLUX.2
+        )
+        kohya = kohya_flux2_state(lora, request.rank, request.alpha)
+        return {
+            model_name: (DIFFUSERS_WEIGHT_NAME, save(tensors, meta)),
+            f"{model_name}_kohya": (
+                f"{self.config.job.name}_kohya.safetensors",
+                save(kohya, {"format": "pt", **kohya_meta}),
+            ),
+        }

@@ -2,8 +2,8 @@
 real classes (Flux2Transformer2DModel, AutoencoderKLFlux2, Mistral3ForConditionalGeneration, a
 byte-level tokenizer with a chat template): the split plan, our training loss against diffusers'
 train_dreambooth_lora_flux2 computation for the same noise and timesteps, the sampler against
-Flux2Pipeline, and plan -> preprocess -> torchrun training -> an export
-Flux2Pipeline.load_lora_weights reproduces.
+Flux2Pipeline, plan -> preprocess -> torchrun training -> exports (diffusers and kohya layouts)
+Flux2Pipeline.load_lora_weights reproduces, and two ranks (TP, FSDP2) give the one-rank run.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from splitstage.config.job import ConfigError
 from splitstage.tasks.job_plan import make_plan
+from splitstage.tasks.stage2.export import check_export
 from tests.helpers.diffusers_families import (
     assert_only_stage_1_settings_key_the_cache,
     assert_split_equals_unsplit_and_exports,
@@ -124,23 +126,36 @@ def split_run(root):
     return split_run_of(job, root)
 
 
-def test_two_fsdp_ranks_give_the_one_rank_losses(root, split_run):
-    """FSDP2 with one sample per rank: the per-sample draws make the update the same."""
-    assert_two_ranks_give_the_one_rank_losses(job, root, split_run, "fsdp", 1)
+@pytest.mark.parametrize(("parallelism", "batch_size"), [("tp", 2), ("fsdp", 1)])
+def test_two_ranks_give_the_one_rank_losses(root, split_run, parallelism, batch_size):
+    """TP (double blocks' heads sharded, fused projections sharded with their outputs gathered)
+    on the same batch, and its exported LoRA, gathered from the shards, is the one-rank run's;
+    FSDP2 with one sample per rank: the per-sample draws make the update the same."""
+    two = assert_two_ranks_give_the_one_rank_losses(job, root, split_run, parallelism, batch_size)
+    if parallelism == "tp":
+        ours, theirs = (load_file(r.outputs["transformer"]) for r in (two, split_run[1]))
+        assert set(ours) == set(theirs)
+        assert any("to_qkv_mlp_proj.lora_B" in key for key in ours)  # a fused shard, gathered
+        for key, tensor in ours.items():
+            torch.testing.assert_close(tensor, theirs[key], rtol=1e-4, atol=1e-5)
 
 
 def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root, split_run):
-    _, report = split_run
-    assert set(report.outputs) == {"transformer"}  # no kohya file: see Flux2Family
+    """Both files, diffusers' and the kohya / ComfyUI one in BFL's names (q, k, v fused), make
+    Flux2Pipeline.load_lora_weights reproduce the trained transformer."""
+    outputs = ("transformer", "transformer_kohya")
     load = partial(pipeline, root)
-    assert_split_equals_unsplit_and_exports(job, root, split_run, PROMPTS, load, ["transformer"])
+    assert_split_equals_unsplit_and_exports(job, root, split_run, PROMPTS, load, outputs)
+    kohya = load_file(split_run[1].outputs["transformer_kohya"])
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight" in kohya
+    assert "lora_unet_single_blocks_0_linear1.lora_down.weight" in kohya
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused_by_validate(root, tmp_path):
     """Flux2Pipeline applies the tokenizer's chat template to every prompt: a tokenizer without
     one is refused by `splitstage validate` in one line (exit 2); so is a text encoder without
-    the hidden states the pipeline reads, a VAE file without its batch-norm statistics, and
-    tensor parallelism (no plan yet)."""
+    the hidden states the pipeline reads, a VAE file without its batch-norm statistics and a
+    LoRA of a module the kohya file cannot name."""
     import json
     import shutil
 
@@ -166,5 +181,9 @@ def test_a_tokenizer_without_a_chat_template_is_refused_by_validate(root, tmp_pa
     save_file(state, weights)
     with pytest.raises(ConfigError, match="has no bn.running_mean"):
         make_plan(job(root, "no-bn", pipeline={"pretrained": str(folder)}))
-    with pytest.raises(ConfigError, match="train.parallelism = 'tp': the flux2 family has no"):
-        make_plan(job(root, "tp", parallelism="tp", nproc_per_node=2, tp_degree=2))
+
+    config = job(root, "norm-out")  # a LoRA target the kohya FLUX.2 layout cannot name
+    targets = {"lora_target_modules": ["attn.to_q", "norm_out.linear"]}
+    config = config.model_copy(update={"trainable": config.trainable.model_copy(update=targets)})
+    with pytest.raises(ConfigError, match=r"kohya / ComfyUI LoRA file has no name for norm_out"):
+        check_export(make_plan(config))
