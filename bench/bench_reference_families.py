@@ -1,8 +1,10 @@
-"""Stage-2 step time split vs unsplit for the reference-image families (wan_i2v, qwenimage_edit),
+"""Stage-2 step time split vs unsplit for the reference-image families (wan_i2v, qwenimage_edit,
+flux_kontext),
 side by side in one run, and the cache bytes per sample computed from the real models' shapes.
 
 Run: .venv/bin/python bench/bench_reference_families.py [--quick] [--rounds 5] [--scale 16]
-     [--cases wan_i2v_tiny,qwenimage_edit_tiny,wan_i2v_real,qwenimage_edit_real]
+     [--cases wan_i2v_tiny,qwenimage_edit_tiny,wan_i2v_real,qwenimage_edit_real,
+              flux_kontext_real]
 
 In one process, one thread, fp32, LoRA rank 4, on one batch, interleaved (split, unsplit, alone,
 ...), medians after warm-up (bench_families.py's `Steps`):
@@ -27,8 +29,12 @@ tokens). The tiny writer's byte-level tokenizer and processor: a prompt is ~45 t
 template's prefix, padded to 48 (real: ~196 vision tokens + a short prompt, against 2 x 4096
 image tokens). From 128 to 1024 px the MMDiT's tokens grow ~48x and Qwen2.5-VL's ~3x, so at 128
 px the encoders weigh more against the MMDiT (and the ratio is lower) than at the real sizes.
-Goal: split / unsplit < 1 for every case; <= 0.7 for qwenimage_edit at the real proportions
-(issue 38).
+And `flux_kontext` at FLUX.1 Kontext [dev]'s proportions: real depths and head counts (19 double
++ 38 single blocks x 24 heads; T5-XXL 24 layers x 64 heads; CLIP-L 12 layers x 12 heads), head
+sizes and other widths / --scale, the VAE's channels / --scale (groups of 8); the pipeline's
+sizes / 8: 128 px targets, one 128 px reference per row, 64 T5 tokens (512 / 8).
+Goal: split / unsplit < 1 for every case; <= 0.7 for the edit families (qwenimage_edit,
+flux_kontext) at the real proportions (issue 38).
 """
 
 from __future__ import annotations
@@ -96,7 +102,15 @@ QWEN_VL_VISION = dict(
     spatial_merge_size=2, temporal_patch_size=2, window_size=112,
     fullatt_block_indexes=[7, 15, 23, 31],
 )  # fmt: skip
+# FLUX.1 Kontext [dev] (black-forest-labs/FLUX.1-Kontext-dev configs: FLUX.1-dev's classes).
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+    guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)  # fmt: skip
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
 CASES = ("wan_i2v_tiny", "qwenimage_edit_tiny", "wan_i2v_real", "qwenimage_edit_real")
+CASES += ("flux_kontext_real",)
 PLUS_PROMPT_LENGTH = 48  # tokens kept after the template's prefix: vision tokens + prompt
 MIN_HEAD = 8  # the least head size kept: RoPE needs two frequencies per axis pair
 
@@ -281,6 +295,85 @@ def qwen_edit_job(
     })  # fmt: skip
 
 
+def write_flux_kontext_folder(folder: Path, factor: int) -> None:
+    """FLUX.1 Kontext [dev]'s components at their real depths and head counts, widths / factor
+    (head sizes / factor, RoPE sections summing to the scaled head size; the VAE's channels /
+    factor in groups of 8), saved as a FluxKontextPipeline folder over the tiny writer's
+    tokenizers and scheduler."""
+    from diffusers import AutoencoderKL, FluxKontextPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    write_tiny_folder("flux_kontext", folder)  # tokenizers, scheduler, model_index.json
+    tiny = FluxKontextPipeline.from_pretrained(folder)
+    torch.manual_seed(0)
+    t5 = {k: v // factor for k, v in UMT5_XXL.items() if k in ("d_model", "d_kv", "d_ff")}
+    t5 = T5Config(**(UMT5_XXL | t5), vocab_size=tiny.text_encoder_2.config.vocab_size)
+    t5.feed_forward_proj = "gated-gelu"
+    clip_head = head_size(CLIP_L["hidden_size"] // CLIP_L["num_attention_heads"], factor)
+    clip = dict(CLIP_L, intermediate_size=CLIP_L["intermediate_size"] // factor)
+    clip["hidden_size"] = clip_head * clip["num_attention_heads"]
+    clip = CLIPTextConfig(**(tiny.text_encoder.config.to_dict() | clip))
+    transformer = dict(FLUX_DEV, joint_attention_dim=t5.d_model)
+    transformer["pooled_projection_dim"] = clip.hidden_size
+    transformer["attention_head_dim"] = head = head_size(transformer["attention_head_dim"], factor)
+    transformer["axes_dims_rope"] = tuple(sections(head, 56 / 128, 2))
+    channels = tuple(max(c // factor, 8) for c in (128, 256, 512, 512))
+    vae = AutoencoderKL(
+        block_out_channels=channels,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2,
+        latent_channels=16,
+        norm_num_groups=8,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    pipe = FluxKontextPipeline(
+        scheduler=tiny.scheduler,
+        vae=vae,
+        text_encoder=CLIPTextModel(clip),
+        tokenizer=tiny.tokenizer,
+        text_encoder_2=T5EncoderModel(t5),
+        tokenizer_2=tiny.tokenizer_2,
+        transformer=FluxTransformer2DModel(**transformer),
+    )
+    for name in pipe.components:
+        shutil.rmtree(folder / name, ignore_errors=True)
+    pipe.save_pretrained(folder)
+
+
+def flux_kontext_job(batch: int, folder: Path, side: int, prompt_length: int):
+    """A LoRA job on a FLUX.1 Kontext folder: side-px digits, each with one mirrored side-px
+    reference."""
+    from PIL import Image, ImageOps
+
+    from splitstage.data.digits import write_digits_dataset
+
+    data = WORK / f"kontext-data-{side}"
+    shutil.rmtree(data, ignore_errors=True)
+    write_digits_dataset(data, limit=batch, size=side // 2)
+    lines = (data / "metadata.csv").read_text().splitlines()
+    rows = [lines[0] + ",edit_image"]
+    for line in lines[1:]:
+        image = line.split(",")[0]
+        name = f"ref-{Path(image).stem}.png"
+        ref = Image.open(data / image).convert("RGB").resize((side, side))
+        ImageOps.mirror(ref).save(data / name)
+        rows.append(f"{line},{name}")
+    (data / "metadata.csv").write_text("\n".join(rows) + "\n")
+    pipeline = {"name": "flux_kontext", "pretrained": str(folder), "resolution": side}
+    pipeline |= {"precision": "fp32", "max_prompt_length": prompt_length}
+    return config_from_dict({
+        "job": {"name": "bench-flux-kontext", "seed": 0}, "pipeline": pipeline,
+        "trainable": {"lora_base_model": "transformer", "lora_rank": 4},
+        "data": {"base_path": str(data)},
+        "cache": {"url": str(WORK / "cache")}, "output": {"url": str(WORK / "out")},
+        "train": {"batch_size": batch, "max_steps": 3},
+    })  # fmt: skip
+
+
 def cached_bytes(bench: Steps) -> dict[str, int]:
     """Bytes per sample of each param stage 1 caches for this batch (empty_* left out)."""
     count = len(bench.rows)
@@ -357,6 +450,12 @@ def main(argv=None) -> dict:
         plus_job = qwen_edit_job(args.batch, folder, 128, 128, 48, PLUS_PROMPT_LENGTH)
         label = f"qwenimage_edit 2509 proportions / {args.scale}, 128 px, one reference"
         results.append(run_case(label, plus_job, args) | {"goal": 0.7})
+    if "flux_kontext_real" in cases:
+        folder = WORK / f"flux_kontext-{args.scale}"
+        write_flux_kontext_folder(folder, args.scale)
+        kontext = flux_kontext_job(args.batch, folder, 128, 64)
+        label = f"flux_kontext dev proportions / {args.scale}, 128 px, one reference"
+        results.append(run_case(label, kontext, args) | {"goal": 0.7})
 
     print(f"\nbatch {args.batch}, median of {args.rounds} rounds, 1 thread, fp32, LoRA rank 4")
     print(f"{'case':62} {'split':>9} {'unsplit':>9} {'ratio':>7} {'goal':>6}  met")
