@@ -166,10 +166,11 @@ def stage2_peak(
     sharded: nn.Module | None = None,
 ) -> dict[str, int]:
     """Parts at the peak of one steady-state micro-step: the optimizer's state (and the EMA)
-    already made by an update before it, then V1 units, loss, backward and the update; with
-    `sharded` (the trained model as `fully_shard` wrapped it) under FSDPMemTracker, the last
-    micro-batch of an update (after one that left its gradients unreduced, as FSDP2 holds them
-    with gradient accumulation)."""
+    already made by an update before it, then V1 units, loss, backward and the update. With
+    gradient accumulation, the last micro-batch of an update, after an untracked one that left
+    its gradients in place (the next forward runs beside them: a full fine-tune's whole
+    gradient); with `sharded` (the trained model as `fully_shard` wrapped it) under
+    FSDPMemTracker, the earlier one leaves them unreduced, as FSDP2 holds them."""
     params = [p for model in models.values() for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, train)
     for param in params:  # the state exists from the first update on: make it first
@@ -194,8 +195,11 @@ def stage2_peak(
             loss = family.training_loss(ctx, batch)
         loss.backward()
 
-    if sharded is not None and train.gradient_accumulation_steps > 1:
-        hold_accumulated_gradients(sharded, lambda: forward_backward(dict(inputs)))
+    if train.gradient_accumulation_steps > 1:
+        if sharded is not None:
+            hold_accumulated_gradients(sharded, lambda: forward_backward(dict(inputs)))
+        else:
+            forward_backward(dict(inputs))  # its gradients stay for the tracked micro-batch
     tracker = Tracker() if sharded is None else ShardedTracker(sharded, optimizer)
     tracker.track_external(*models.values(), optimizer, *_tensors(inputs))
     if average is not None:

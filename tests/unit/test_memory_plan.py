@@ -46,8 +46,12 @@ def base(root):
         {"optimizer": "prodigy", "batch_size": 4},
         {"base_quantization": "int8", "weight_dtype": "bf16"},
         {"base_quantization": "nf4", "weight_dtype": "bf16", "gradient_checkpointing": True},
+        {"gradient_accumulation_steps": 2},
     ],
-    ids=["default", "checkpointing-ema", "adafactor-bf16", "prodigy-batch4", "int8", "nf4"],
+    ids=[
+        *("default", "checkpointing-ema", "adafactor-bf16", "prodigy-batch4", "int8", "nf4"),
+        "accumulation",
+    ],
 )
 def test_settings_move_the_parts_and_the_estimate_stays_close(root, base, train):
     plan = make_plan(config_from_dict(family_job(root, "demo", **train)))
@@ -66,6 +70,8 @@ def test_settings_move_the_parts_and_the_estimate_stays_close(root, base, train)
         assert after["optimizer_state"] < before["optimizer_state"]  # factored moments
     if train.get("batch_size") == 4:
         assert after["activations"] > before["activations"]
+    if train.get("gradient_accumulation_steps"):  # the next micro-batch beside the gradients
+        assert estimated.stage2.peak_bytes > base.stage2.peak_bytes
     if train.get("base_quantization"):  # the frozen base as torchao holds it, measured alike
         bound = {"int8": 0.6, "nf4": 0.35}[train["base_quantization"]]  # of the bf16 base
         bf16 = estimate_memory(
@@ -73,6 +79,25 @@ def test_settings_move_the_parts_and_the_estimate_stays_close(root, base, train)
         )
         assert after["frozen_weights"] <= bound * bf16.stage2.parts["frozen_weights"]
         assert close(after["frozen_weights"], measured.stage2.parts["frozen_weights"])
+
+
+def test_accumulation_counts_a_full_fine_tune_s_gradients_beside_the_next_micro_batch(root):
+    """A full fine-tune with accumulation holds the whole gradient while the next micro-batch
+    runs forward: the peak (estimated, and measured on the same two micro-batches) holds both
+    at once; one micro-batch alone peaks at its update instead, with few activations left."""
+
+    def full(**train):
+        document = family_job(root, "demo", **train)
+        document["trainable"] = {"full": ["dit"]}
+        return make_plan(config_from_dict(document))
+
+    one, two = estimate_memory(full()), estimate_memory(full(gradient_accumulation_steps=2))
+    measured = measure_memory(full(gradient_accumulation_steps=2))
+    assert close(two.stage2.peak_bytes, measured.stage2.peak_bytes)
+    held = two.stage2.parts
+    assert held["gradients"] == held["trained_params"]  # fp32 gradients of the fp32 weights
+    assert held["activations"] > 10 * one.stage2.parts["activations"], (held, one.stage2.parts)
+    assert two.stage2.peak_bytes > one.stage2.peak_bytes
 
 
 def test_offload_moves_the_trained_model_to_the_host_and_keeps_two_blocks(root, base):
