@@ -74,6 +74,11 @@ class Family:
     # The reference images ('edit_image') a row carries beside its target, and their size;
     # None: the family takes none, and rows with them are refused before stage 1.
     reference_images: ClassVar[ReferenceImages | None] = None
+    # Cached params whose dim 0 is a sequence as long as the sample's own (prompt tokens) ->
+    # their mask param (None: none, the unit gives each sample's unpadded). Stage 1 caches each
+    # sample's cut after its mask's last 1; batches pad them all (masks with 0) to the batch's
+    # longest, one length for all; the cache batches samples of any such length together.
+    sequence_params: ClassVar[Mapping[str, str | None]] = {}
 
     def __init__(self, config: SplitstageConfig):
         self.config = config

@@ -81,8 +81,14 @@ def select(units: Iterable[RunnableUnit], names: Iterable[str]) -> list[Runnable
     return [unit for unit in units if unit.spec.name in wanted]
 
 
-def split_batch(batch: Mapping[str, Any], params: Iterable[str], size: int) -> list[dict[str, Any]]:
-    """Per-sample records of `params`: tensors and lists are indexed on dim 0, scalars repeated."""
+def split_batch(
+    batch: Mapping[str, Any],
+    params: Iterable[str],
+    size: int,
+    sequences: Mapping[str, str | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Per-sample records of `params`: tensors and lists are indexed on dim 0, scalars repeated;
+    `sequences` (a family's `sequence_params`) cut to each sample's length (`trim_sequences`)."""
     samples: list[dict[str, Any]] = [{} for _ in range(size)]
     for param in params:
         if param not in batch:
@@ -98,11 +104,53 @@ def split_batch(batch: Mapping[str, Any], params: Iterable[str], size: int) -> l
                 sample[param] = value[index]
             else:
                 sample[param] = value
+    for sample in samples:
+        trim_sequences(sample, sequences or {})
     return samples
 
 
-def collate_samples(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Stack image tensors; keep every other field as a per-sample list."""
+def trim_sequences(sample: dict[str, Any], sequences: Mapping[str, str | None]) -> None:
+    """A sample's masked sequence params (and their masks) cut after their last kept token
+    (mask 1), in place: what stage 1 caches, so no sample stores another's padding."""
+    for name, mask_name in sequences.items():
+        mask = sample.get(mask_name) if mask_name else None
+        if not isinstance(mask, torch.Tensor) or name not in sample:
+            continue
+        kept = mask.reshape(mask.shape[0], -1).ne(0).any(dim=1).nonzero()
+        length = int(kept.max()) + 1 if len(kept) else 0
+        sample[name] = sample[name][:length].clone()
+        sample[mask_name] = mask[:length].clone()
+
+
+def pad_sequences(
+    samples: Sequence[dict[str, Any]], sequences: Mapping[str, str | None]
+) -> list[dict[str, Any]]:
+    """Copies of `samples` whose sequence params and masks are zero-padded (mask 0) at the end
+    of dim 0 to one length, the longest of any of them in the batch, as diffusers' pipelines
+    pad prompts per batch (one length, so a param and its `empty_` twin stay swappable)."""
+    names = list(dict.fromkeys([*sequences, *filter(None, sequences.values())]))
+    tensors = [s[n] for s in samples for n in names if isinstance(s.get(n), torch.Tensor)]
+    if not tensors:
+        return list(samples)
+    length = max(t.shape[0] for t in tensors)
+    out = []
+    for sample in samples:
+        padded = dict(sample)
+        for name in names:
+            value = sample.get(name)
+            if isinstance(value, torch.Tensor) and value.shape[0] < length:
+                tail = value.new_zeros(length - value.shape[0], *value.shape[1:])
+                padded[name] = torch.cat([value, tail])
+        out.append(padded)
+    return out
+
+
+def collate_samples(
+    samples: Sequence[dict[str, Any]], sequences: Mapping[str, str | None] | None = None
+) -> dict[str, Any]:
+    """Stack image tensors (`sequences` padded to the batch's longest first: `pad_sequences`);
+    keep every other field as a per-sample list."""
+    samples = pad_sequences(samples, sequences) if sequences else samples
     batch: dict[str, Any] = {}
     for name in samples[0]:
         values = [sample[name] for sample in samples]

@@ -119,6 +119,7 @@ def open_cache(plan: JobPlan, cache_key: str | None = None) -> CacheStore:
             "at a folder (created if missing) or a bucket"
         )
     store.image_sizes = image_sizes(plan.family)
+    store.sequence_params = plan.family.sequence_params  # padded per batch, grouped as one
     return store
 
 

@@ -1,10 +1,11 @@
 """Qwen-Image: Qwen2.5-VL prompt embeddings with their mask, a video VAE normalised per channel,
 an MMDiT on 2x2-packed latents, flow matching on the scheduler's dynamically shifted table.
 
-Stage 1 caches the prompt embeddings and mask (padded to max_prompt_length) and the VAE's latent
-distribution; every step draws a latent, normalises it with latents_mean / latents_std, drops
-captions, draws noise and a timestep, as QwenImagePipeline and diffusers' Qwen-Image LoRA
-script compute them.
+Stage 1 caches each sample's prompt embeddings and mask at its own token count (at most
+max_prompt_length; `sequence_params`: batches pad them to their longest, as the pipeline pads a
+batch) and the VAE's latent distribution; every step draws a latent, normalises it with
+latents_mean / latents_std, drops captions, draws noise and a timestep, as QwenImagePipeline and
+diffusers' Qwen-Image LoRA script compute them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from splitstage.pipelines.family import ExportRequest, TrainingStep
 from splitstage.pipelines.lora_targets import QWEN_IMAGE_LORA_TARGETS
 from splitstage.pipelines.runtime import StepContext
 
+# How stage 1 lays out the prompt embeddings it caches (part of the cache key): each sample's at
+# its own token count (earlier caches padded every sample to max_prompt_length).
+PROMPT_LAYOUT = "own-length"
 # The last block's text stream is discarded (only the image tokens go to norm_out / proj_out):
 # modules there get no gradient, so a LoRA on them cannot learn, and DDP refuses unused ones.
 DEAD_IN_LAST_BLOCK = ("attn.to_add_out", "txt_mlp.")
@@ -88,8 +92,16 @@ class QwenImageFamily(FlowTransformerFamily):
     )
     text_models = ("text_encoder",)
     denoiser_params = ("prompt_embeds", "prompt_embeds_mask")
+    sequence_params = {
+        "prompt_embeds": "prompt_embeds_mask",
+        "empty_prompt_embeds": "empty_prompt_embeds_mask",
+    }
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS  # the diffsynth family's too
     tp_plans = {"transformer": QWEN_TP}
+
+    def stage1_settings(self) -> dict[str, Any]:
+        """The pipeline's stage-1 settings and the cached prompts' layout (`PROMPT_LAYOUT`)."""
+        return super().stage1_settings() | {"prompt_layout": PROMPT_LAYOUT}
 
     # -- units -----------------------------------------------------------------------------------
     def pixel_encoder(self):
@@ -115,7 +127,8 @@ class QwenImageFamily(FlowTransformerFamily):
             self._template_checked = True
 
     def encode_prompts(self, ctx: StepContext, prompt: Sequence[str]) -> dict[str, Any]:
-        """Embeddings [B, L, D] and mask [B, L] of the prompts and of '' (caption dropout)."""
+        """Embeddings [B, L, D] and mask [B, L] of the prompts and of '' (caption dropout), L
+        the longest of them (at most max_prompt_length)."""
         texts = with_empty(prompt)
         encoder = ctx.model("text_encoder", "PromptEncoder")
         length = self.config.pipeline.max_prompt_length

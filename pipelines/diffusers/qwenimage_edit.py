@@ -35,7 +35,7 @@ from splitstage.pipelines.diffusers.qwenimage_edit_text import (
     check_edit_template,
     encode_prompt,
     load_processor,
-    pad_prompt,
+    pad_prompts,
     token_count,
     too_long,
 )
@@ -178,20 +178,24 @@ class QwenImageEditFamily(QwenImageFamily):
         )
 
     def encode_edit_prompts(self, ctx: StepContext, prompt, condition_image) -> dict[str, Any]:
-        """Per sample: embeddings [L, D] and mask [L] of its prompt and of '' with its images,
-        as the pipeline encodes one prompt (padded to max_prompt_length)."""
+        """Embeddings [B, L, D] and mask [B, L] of each sample's prompt and of '' with its
+        images, each encoded alone as the pipeline encodes one prompt, padded to L, the longest
+        of them all (at most max_prompt_length: stage 1 caches each at its own length)."""
         encoder = ctx.model("text_encoder", "PromptEncoder")
-        length = self.config.pipeline.max_prompt_length
-        out: dict[str, list[torch.Tensor]] = {}
-        for index, (text, images) in enumerate(zip(prompt, condition_image, strict=True)):
-            for name, words in (("", text), ("empty_", "")):
-                hidden = encode_prompt(
-                    encoder, self.processor, words, images, self.plus, ctx.device
+        hiddens: list[torch.Tensor] = []
+        for text, images in zip(prompt, condition_image, strict=True):
+            for words in (text, ""):
+                hiddens.append(
+                    encode_prompt(encoder, self.processor, words, images, self.plus, ctx.device)
                 )
-                embeds, mask = pad_prompt(hidden, length, f"the batch's sample {index + 1}")
-                out.setdefault(f"{name}prompt_embeds", []).append(embeds)
-                out.setdefault(f"{name}prompt_embeds_mask", []).append(mask)
-        return {name: torch.stack(values) for name, values in out.items()}
+        wheres = [f"the batch's sample {index // 2 + 1}" for index in range(len(hiddens))]
+        embeds, mask = pad_prompts(hiddens, self.config.pipeline.max_prompt_length, wheres)
+        return {
+            "prompt_embeds": embeds[0::2],
+            "prompt_embeds_mask": mask[0::2],
+            "empty_prompt_embeds": embeds[1::2],
+            "empty_prompt_embeds_mask": mask[1::2],
+        }
 
     def encode_references(self, ctx: StepContext, reference_image) -> dict[str, Any]:
         """Each sample's references as QwenImageEdit(Plus)Pipeline._encode_vae_image makes them:
@@ -324,25 +328,23 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def reference_conditioning(self, ctx: StepContext, images, prompts) -> dict[str, torch.Tensor]:
         """As QwenImageEdit(Plus)Pipeline conditions on each prompt (or negative) and its
-        references: Qwen2.5-VL over the prompt with the images (edit template, padded to
-        max_prompt_length), and their latents in the reference slots. References sized on
+        references: Qwen2.5-VL over the prompt with the images (edit template, padded to the
+        longest prompt's tokens), and their latents in the reference slots. References sized on
         their own differ in shape between prompts: each slot is zero-padded to the largest,
         `reference_shapes` [B, slots, 2] gives each row's latent (h, w), 0 where absent."""
         encoder = ctx.model("text_encoder", "validation")
-        length = self.config.pipeline.max_prompt_length
         rows: list[dict[str, torch.Tensor]] = []
-        for index, (prompt, refs) in enumerate(zip(prompts, images, strict=True)):
+        hiddens: list[torch.Tensor] = []
+        for prompt, refs in zip(prompts, images, strict=True):
             vae_images, conditions = self.sized_references(list(refs))
-            hidden = encode_prompt(
-                encoder, self.processor, prompt, conditions, self.plus, ctx.device
+            hiddens.append(
+                encode_prompt(encoder, self.processor, prompt, conditions, self.plus, ctx.device)
             )
-            embeds, mask = pad_prompt(hidden, length, f"validation.reference_images[{index}]")
             latents = self.encode_references(ctx, [vae_images])
-            rows.append(
-                {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-                | {slot: latents[slot][0] for slot in self.reference_slots}
-            )
-        out = {name: torch.stack([row[name] for row in rows]) for name in self.text_params}
+            rows.append({slot: latents[slot][0] for slot in self.reference_slots})
+        wheres = [f"validation.reference_images[{index}]" for index in range(len(hiddens))]
+        embeds, mask = pad_prompts(hiddens, self.config.pipeline.max_prompt_length, wheres)
+        out = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
         shapes = [[list(row[slot].shape[-2:]) for slot in self.reference_slots] for row in rows]
         out["reference_shapes"] = torch.tensor(shapes, dtype=torch.long)
         for slot in self.reference_slots:

@@ -39,12 +39,21 @@ def edit_sample(family, ctx: StepContext, cond, uncond, generator, *, steps, gui
         refs = [slot[index] for slot in slots]
         if key:  # cut each slot back to this group's shape (padding and absent slots off)
             refs = [ref[..., :h, :w] for ref, (h, w) in zip(refs, key, strict=True)]
-        text = {name: cond[name][index] for name in family.text_params}
+        text = shortest({name: cond[name][index] for name in family.text_params})
         guided = (
-            {name: uncond[name][index] for name in family.text_params} if guidance > 1 else None
+            shortest({name: uncond[name][index] for name in family.text_params})
+            if guidance > 1
+            else None
         )
         out[index] = denoise(family, ctx, noise[index], refs, text, guided, steps, guidance)
     return out
+
+
+def shortest(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A group's prompt embeddings and mask cut to its longest prompt (the tokens past it are
+    padding for other groups' prompts: masked, but computed every step)."""
+    longest = int(text["prompt_embeds_mask"].sum(dim=1).max())
+    return {name: value[:, :longest] for name, value in text.items()}
 
 
 def denoise(family, ctx: StepContext, noise, refs, cond, uncond, steps, guidance) -> torch.Tensor:

@@ -132,13 +132,19 @@ def too_long(where: str, count: int, length: int) -> ConfigError:
     )
 
 
-def pad_prompt(hidden: torch.Tensor, length: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embeddings [length, D], mask [length]): `hidden` padded with zeros (mask 0); longer is
-    refused (cutting it would drop what the pipeline keeps)."""
-    count = hidden.shape[0]
-    if count > length:
-        raise too_long(where, count, length)
-    embeds = torch.cat([hidden, hidden.new_zeros(length - count, hidden.shape[1])])
-    mask = torch.zeros(length, dtype=torch.long, device=hidden.device)
-    mask[:count] = 1
+def pad_prompts(
+    hiddens: Sequence[torch.Tensor], limit: int, wheres: Sequence[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embeddings [B, L, D], mask [B, L]): each [l, D] of `hiddens` padded with zeros (mask 0)
+    to L, the longest, as _get_qwen_prompt_embeds pads a batch; one longer than `limit` (at
+    `wheres`' place) is refused (cutting it would drop what the pipeline keeps)."""
+    for hidden, where in zip(hiddens, wheres, strict=True):
+        if hidden.shape[0] > limit:
+            raise too_long(where, hidden.shape[0], limit)
+    longest = max(hidden.shape[0] for hidden in hiddens)
+    embeds = hiddens[0].new_zeros(len(hiddens), longest, hiddens[0].shape[1])
+    mask = torch.zeros(len(hiddens), longest, dtype=torch.long, device=hiddens[0].device)
+    for row, hidden in enumerate(hiddens):
+        embeds[row, : hidden.shape[0]] = hidden
+        mask[row, : hidden.shape[0]] = 1
     return embeds, mask

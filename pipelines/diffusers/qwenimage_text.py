@@ -35,10 +35,11 @@ def check_template_prefix(tokenizer) -> None:
 def encode_prompts(
     encoder: nn.Module, tokenizer, prompts: Sequence[str], length: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embeddings [B, length, D], mask [B, length]) of each prompt: the template around it,
-    the last hidden states, the first `drop` tokens removed, padded (mask 0) to `length`, as
-    QwenImagePipeline.encode_prompt with max_sequence_length = length (per prompt, so a
-    sample's embeddings do not depend on the batch it was encoded in)."""
+    """(embeddings [B, L, D], mask [B, L]) of each prompt: the template around it, the last
+    hidden states, the first `drop` tokens removed, padded (mask 0) to L, the longest prompt's
+    count (at most `length`), as QwenImagePipeline.encode_prompt with max_sequence_length =
+    length. Encoded padded to `length` whatever the batch, so a sample's embeddings do not
+    depend on the batch it was encoded in."""
     template, drop = pipeline_template()
     batch = tokenizer(
         [template.format(prompt) for prompt in prompts],
@@ -52,7 +53,8 @@ def encode_prompts(
     )
     mask = batch.attention_mask[:, drop:]
     hidden = out.hidden_states[-1][:, drop:] * mask.unsqueeze(-1).to(out.hidden_states[-1].dtype)
-    return hidden, mask.long()
+    longest = int(mask.sum(dim=1).max())  # the tokenizer's mask: real (not fake) in memory plans
+    return hidden[:, :longest], mask[:, :longest].long()
 
 
 def renamed_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,21 +32,28 @@ def _strings(values: list[str]) -> np.ndarray:
     return np.array([v.encode() for v in values], "S") if values else np.zeros(0, "S1")
 
 
-def signature(params: Mapping[str, Any]) -> tuple:
-    """What batches must share: each param's dtype and shape, or 'json' (`same_as` ignored)."""
+def signature(params: Mapping[str, Any], sequences: Collection[str] = ()) -> tuple:
+    """What batches must share: each param's dtype and shape, or 'json' (`same_as` ignored);
+    of `sequences` (padded per batch to one length) not the length: dim 0 reads -1."""
     return tuple(
-        (p, "json") if spec == "json" else (p, spec["dtype"], tuple(spec["shape"]))
+        (p, "json") if spec == "json" else (p, spec["dtype"], _shape(spec["shape"], p in sequences))
         for p, spec in sorted(params.items())
     )
 
 
+def _shape(shape: list[int], sequence: bool) -> tuple[int, ...]:
+    """A spec's shape, its dim 0 as -1 for a sequence param (any length batches together)."""
+    return (-1, *shape[1:]) if sequence and shape else tuple(shape)
+
+
 def group_table(
-    specs: list[Mapping[str, Any]], image_sizes: ImageSizes = None
+    specs: list[Mapping[str, Any]], image_sizes: ImageSizes = None, sequences: Collection[str] = ()
 ) -> tuple[np.ndarray, list[str]]:
     """For a spec table: each spec's group number (groups in sorted-signature order, so every
     process numbers them alike) and a readable, distinct label per group (led by its images'
-    size in pixels when `image_sizes` tell it: `group_labels`)."""
-    sigs = [signature(params) for params in specs]
+    size in pixels when `image_sizes` tell it: `group_labels`); `sequences`: params of any
+    length in dim 0 (see `signature`)."""
+    sigs = [signature(params, sequences) for params in specs]
     order = sorted(set(sigs), key=repr)
     number = {sig: i for i, sig in enumerate(order)}
     labels = group_labels(order, image_sizes)
@@ -152,22 +159,27 @@ class CompactIndex:
             )
         return params
 
-    def groups(self, image_sizes: ImageSizes = None) -> tuple[np.ndarray, list[str]]:
+    def groups(
+        self, image_sizes: ImageSizes = None, sequences: Collection[str] = ()
+    ) -> tuple[np.ndarray, list[str]]:
         """Each spec's group number and the groups' labels (see `group_table`; a store passes
-        the same `image_sizes` every time); a spec with `same_as` is in the group of the same
-        spec without it."""
+        the same `image_sizes` and `sequences` every time); a spec with `same_as` is in the
+        group of the same spec without it."""
         if self._groups is None:
             base = np.asarray(self.spec_base, np.int64)
             plain = np.flatnonzero(base == np.arange(len(base)))
-            numbers, labels = group_table([self.specs[i] for i in plain], image_sizes)
+            specs = [self.specs[i] for i in plain]
+            numbers, labels = group_table(specs, image_sizes, sequences)
             of_plain = np.zeros(len(base), np.int32)
             of_plain[plain] = numbers
             self._groups = of_plain[base], labels
         return self._groups
 
-    def group_counts(self, image_sizes: ImageSizes = None) -> dict[str, int]:
+    def group_counts(
+        self, image_sizes: ImageSizes = None, sequences: Collection[str] = ()
+    ) -> dict[str, int]:
         """Committed samples per group label."""
-        of_spec, labels = self.groups(image_sizes)
+        of_spec, labels = self.groups(image_sizes, sequences)
         counts = np.bincount(of_spec[self._owned(self.spec)], minlength=len(labels))
         return {label: int(n) for label, n in zip(labels, counts) if n}
 

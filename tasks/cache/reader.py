@@ -13,12 +13,13 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from splitstage.pipelines.runtime import pad_sequences
 from splitstage.tasks.cache.key_table import KeyTable
 from splitstage.tasks.cache.store import CacheStore, SampleNotCachedError
 
@@ -84,8 +85,14 @@ def epoch_order(
     return [table[i] for i in positions.tolist()]
 
 
-def collate(samples: list[dict[str, Any]], keys: list[str], mode: str = "stack") -> dict[str, Any]:
-    """Batch samples: tensors stacked (or concatenated on dim 0), JSON values as lists."""
+def collate(
+    samples: list[dict[str, Any]],
+    keys: list[str],
+    mode: str = "stack",
+    sequences: Mapping[str, str | None] | None = None,
+) -> dict[str, Any]:
+    """Batch samples: tensors stacked (or concatenated on dim 0), JSON values as lists;
+    `sequences` (the family's sequence params) padded to the batch's longest first."""
     params = list(samples[0])
     out: dict[str, Any] = {}
     for key, sample in zip(keys, samples):
@@ -95,6 +102,7 @@ def collate(samples: list[dict[str, Any]], keys: list[str], mode: str = "stack")
                 f"sample {key!r} has different params from sample {keys[0]!r} (differ: {diff}); "
                 f"one cache must hold the same params for every sample"
             )
+    samples = pad_sequences(samples, sequences) if sequences and mode == "stack" else samples
     for param in params:
         values = [s[param] for s in samples]
         kinds = {isinstance(v, torch.Tensor) for v in values}
@@ -220,7 +228,9 @@ class CacheDataset:
                 chunk = batches[i : i + group]
                 samples = self._fetch([k for b in chunk for k in b])
                 for keys in chunk:
-                    batch = collate([samples[k] for k in keys], keys, self.collate)
+                    batch = collate(
+                        [samples[k] for k in keys], keys, self.collate, self.store.sequence_params
+                    )
                     if not _put(q, (keys, batch), stop):
                         return
             _put(q, _DONE, stop)
@@ -283,7 +293,13 @@ class CacheDataset:
             chunk = batches[i : i + group]
             samples = self._fetch([k for b in chunk for k in b])
             made = [
-                (keys, collate([samples[k] for k in keys], keys, self.collate)) for keys in chunk
+                (
+                    keys,
+                    collate(
+                        [samples[k] for k in keys], keys, self.collate, self.store.sequence_params
+                    ),
+                )
+                for keys in chunk
             ]
             self.stall_seconds += time.perf_counter() - t0
             for keys, batch in made:

@@ -86,6 +86,9 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         self._pending: list[fmt.IndexEntry] = []  # entries written since, merged on look-up
         self._seen = _Seen()  # digests of index entry bytes as last read or written, by shard id
         self.image_sizes: ImageSizes = None  # the job's image sizes: group labels say pixels
+        # the family's sequence params -> mask (Family.sequence_params): any length groups
+        # together, batches pad them
+        self.sequence_params: Mapping[str, str | None] = {}
 
     def __repr__(self) -> str:
         return f"CacheStore(url={self.url!r}, storage_options={st.redact(self._options)!r})"
@@ -290,6 +293,11 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         keys = KeyTable.from_keys(keys)
         return keys.select(~self.contains(keys))
 
+    def _sequence_names(self) -> list[str]:
+        """The sequence params and their masks (padded per batch: their length groups none)."""
+        params = self.sequence_params
+        return list(dict.fromkeys([*params, *filter(None, params.values())]))
+
     def groups_of(self, keys: KeyTable) -> tuple[np.ndarray, list[str]]:
         """For committed `keys`: each one's group (samples with identical param dtypes and
         shapes share one, e.g. an aspect bucket) and a readable label per group number."""
@@ -297,7 +305,7 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
         found, _, spec = index.lookup(keys)
         if not found.all():
             raise self._not_committed(keys.select(~found).to_list())
-        of_spec, labels = index.groups(self.image_sizes)
+        of_spec, labels = index.groups(self.image_sizes, tuple(self._sequence_names()))
         return of_spec[spec] if len(of_spec) else np.zeros(len(keys), np.int32), labels
 
     def _not_committed(self, missing: list[str]) -> SampleNotCachedError:
@@ -425,5 +433,5 @@ class CacheStore(CacheChecks, WriteAhead, SideRecords):
             int(index.shard_bytes.sum()),
             len(dups),
             dups,
-            index.group_counts(self.image_sizes),
+            index.group_counts(self.image_sizes, tuple(self._sequence_names())),
         )

@@ -253,7 +253,7 @@ def overlapped_run(
     def compute(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         batch = run_units(plan.v2_units, ctx, collate_samples(samples))
         report.computed += len(samples)
-        return split_batch(batch, params, len(samples))
+        return split_batch(batch, params, len(samples), family.sequence_params)
 
     def skip(key: str, error: DataError) -> None:
         report.skipped += 1

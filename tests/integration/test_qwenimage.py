@@ -18,7 +18,7 @@ from splitstage.config.job import ConfigError
 from splitstage.pipelines.diffusers.qwenimage_latents import pack
 from splitstage.pipelines.draws import Draws
 from splitstage.pipelines.lora_targets import QWEN_IMAGE_LORA_TARGETS
-from splitstage.pipelines.runtime import StepContext
+from splitstage.pipelines.runtime import StepContext, run_units
 from splitstage.tasks.job_plan import make_plan
 from splitstage.tasks.stage2.parallelize import find_blocks
 from tests.helpers.diffusers_families import (
@@ -213,6 +213,77 @@ def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root,
     outputs = ("transformer", "transformer_kohya")
     load = partial(pipeline, root)
     assert_split_equals_unsplit_and_exports(job, root, split_run, PROMPTS, load, outputs)
+
+
+def family_sequences(plan) -> list[str]:
+    """The family's sequence params and their masks."""
+    params = plan.family.sequence_params
+    return [*params, *params.values()]
+
+
+def test_stage_1_caches_each_prompt_at_its_own_length_and_batches_pad_them(root, tmp_path):
+    """Each sample's prompt embeddings (and the empty prompt's) are cached at their own token
+    count, not max_prompt_length; samples of any prompt length batch together, padded to the
+    batch's longest; the transformer predicts for such a batch what it predicts for the same
+    batch padded to max_prompt_length."""
+    import csv
+    import shutil
+
+    from splitstage.tasks.cache.reader import CacheDataset
+    from splitstage.tasks.job_plan import open_cache
+    from splitstage.tasks.stage1.preprocess import preprocess
+
+    data = shutil.copytree(root / "data", tmp_path / "data")
+    with (data / "metadata.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for row, prompt in zip(
+        rows, ["a cat", "a photo of a 3", "the seven", "an old brown dog"], strict=True
+    ):
+        row["prompt"] = prompt
+    with (data / "metadata.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, ["image", "prompt"])
+        writer.writeheader()
+        writer.writerows(rows)
+    cache = {"url": str(tmp_path / "cache")}
+    config = lora_job(
+        root, "qwenimage", "own-length", cache=cache,
+        pipeline={"max_prompt_length": LENGTH, "caption_dropout": 0.0},
+        data={"base_path": str(data)},
+    )  # fmt: skip
+    assert preprocess(config, workers=1, progress=False).computed == 4
+    plan = make_plan(config)
+    store = open_cache(plan)
+    dataset = CacheDataset(store)
+    keys = dataset.keys.to_list()
+    lengths = {}
+    for key, one in store.read_samples(keys).items():
+        for name in ("prompt_embeds", "empty_prompt_embeds"):
+            mask = one[f"{name}_mask"]
+            assert len(one[name]) == len(mask) and mask.all(), name  # no padding kept
+        lengths[key] = len(one["prompt_embeds"])
+    assert max(lengths.values()) < LENGTH and len(set(lengths.values())) == 4
+    assert set(dataset.groups.tolist()) == {0}  # one shape group: they batch together
+
+    shorter, longer = sorted(keys, key=lengths.get)[1:3]
+    batch = next(dataset.iterate_keys([[shorter, longer]], prefetch=0))
+    assert batch["prompt_embeds"].shape[1] == lengths[longer]
+    assert batch["prompt_embeds_mask"].sum(dim=1).tolist() == [lengths[shorter], lengths[longer]]
+    padded = dict(batch)  # as stage 1 cached them before: every prompt at max_prompt_length
+    for name in family_sequences(plan):
+        value = batch[name]
+        tail = value.new_zeros(2, LENGTH - value.shape[1], *value.shape[2:])
+        padded[name] = torch.cat([value, tail], dim=1)
+    family = plan.family
+    model = family.build_model("transformer", CPU)
+    predictions = []
+    for inputs in (batch, padded):
+        draws = Draws.shared(torch.Generator().manual_seed(1))
+        ctx = StepContext({"transformer": model}, CPU, draws, family.settings())
+        with torch.no_grad():
+            step = family.training_step(ctx, run_units(plan.v1_units, ctx, dict(inputs)))
+            predictions.append(family.denoise(ctx, step))
+    assert step.denoiser_kwargs["encoder_hidden_states"].shape[1] == LENGTH
+    torch.testing.assert_close(predictions[0], predictions[1], atol=1e-5, rtol=0)
 
 
 def test_a_tokenizer_that_keeps_part_of_the_system_prompt_is_refused_by_validate(root, tmp_path):
