@@ -32,6 +32,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -449,6 +450,31 @@ def _check_files(fs, path: str, ckpt_url: str, reader: SafeFsspecReader, marker)
         )
 
 
+def _unsaved_optimizer_state(state: dict[str, Any], reader: SafeFsspecReader) -> dict[str, Any]:
+    """The optimizer state entries the checkpoint does not hold, taken out of `state` (DCP
+    refuses keys it lacks): those of trained parameters that had no gradient yet when it was
+    saved (a LoRA on a block output nothing reads, e.g. Qwen-Image's last text stream), whose
+    optimizer had made no state for them; torch's state-dict API fills every parameter's."""
+    saved = set(reader.read_metadata().state_dict_metadata)
+    optim = state["optim"]
+    keys = [k for k in optim if k.startswith("state.") and f"optim.{k}" not in saved]
+    return {key: optim.pop(key) for key in keys}
+
+
+def _forget_unstepped(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], unsaved: Mapping[str, Any]
+) -> None:
+    """Drop the placeholder state `set_state_dict` gave the parameters the checkpoint holds no
+    state for, so their first gradient starts their state as in a run never interrupted."""
+    if not unsaved:
+        return
+    fqns = {key.removeprefix("state.").rsplit(".", 1)[0] for key in unsaved}
+    for name, param in model.named_parameters():
+        if _get_fqns(model, name) & fqns:
+            for optimizer in optimizers:
+                optimizer.state.pop(param, None)
+
+
 def load_checkpoint(
     url: str,
     step: int,
@@ -473,6 +499,7 @@ def load_checkpoint(
         _check_files(fs, path, ckpt_url, reader, marker)
         lora_only = bool(marker.get("lora_only"))
         state = _state(model, optimizers, lora_only)
+        unsaved = _unsaved_optimizer_state(state, reader) if optimizers else {}
         try:
             with _single_process_quiet():
                 dcp.load(state, storage_reader=reader)
@@ -483,9 +510,10 @@ def load_checkpoint(
                 model,
                 optimizers,
                 model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
+                optim_state_dict=state["optim"] | unsaved,
                 options=_options(lora_only),
             )
+            _forget_unstepped(model, optimizers, unsaved)
         else:
             set_model_state_dict(model, state["model"], options=_options(lora_only))
         extra = unpack_extra(fs.cat_file(join(path, EXTRA)))

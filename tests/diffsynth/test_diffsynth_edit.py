@@ -227,6 +227,7 @@ def test_zero_cond_t_reaches_the_loss_as_train_py_gives_it(root):
     same cache: the first update's loss is train.py's step with it on, not the one without."""
     document = edit_document(root, max_steps=1)
     document["pipeline"]["zero_cond_t"] = True
+    document["output"]["url"] = str(root / "out-zero-cond-t")  # a run of its own, not a resume
     config = config_from_dict(document)
     assert make_plan(config).cache_key == make_plan(config_from_dict(edit_document(root))).cache_key
     preprocess(config, progress=False)
@@ -298,3 +299,26 @@ def test_edit_settings_are_refused_for_a_pipeline_without_edit_units(root, tmp_p
     with pytest.raises(UserError) as error:
         config_from_dict(document)
     assert "zero_cond_t: ZImagePipeline has no zero_cond_t" in str(error.value)
+
+
+def test_a_resumed_edit_run_ends_bitwise_where_an_uninterrupted_one_does(root):
+    """The source text's LoRA targets include the last block's text stream, which no output
+    reads (no gradient, no optimizer state in a checkpoint): 1 update, then a resume to 2, gives
+    the losses and LoRA of 2 updates in one go, bit for bit."""
+
+    def run(name: str, max_steps: int, lines: list[str] | None = None):
+        document = edit_document(root, max_steps=max_steps)
+        document["output"]["url"] = str(root / f"out-{name}")
+        config = config_from_dict(document)
+        preprocess(config, progress=False)
+        on_line = lines.append if lines is not None else (lambda line: None)
+        return train(config, run_id=name, run_root=root / "runs", env=ENV, on_line=on_line)
+
+    straight = run("straight", 2)
+    first = run("resumed", 1)
+    lines: list[str] = []
+    resumed = run("resumed", 2, lines)
+    assert any("resumed from checkpoint step 1" in line for line in lines), lines[-5:]
+    assert first.losses + resumed.losses[-1:] == straight.losses
+    ours, theirs = load_file(resumed.outputs["dit"]), load_file(straight.outputs["dit"])
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -71,3 +71,40 @@ def test_without_a_checkpoint_nothing_is_loaded(tmp_path):
     loader, _ = checkpointer(tmp_path / "none", {"loop": part})
     assert loader.load() is None and loader.latest() is None
     assert part.value == 5
+
+
+def test_a_parameter_without_a_gradient_yet_resumes_as_if_never_interrupted(tmp_path):
+    """A trained parameter no loss reached before the checkpoint (a LoRA on a block output
+    nothing reads, as Qwen-Image's last text stream) has no optimizer state in it: the resume
+    loads (DCP refused the missing keys), and a parameter whose first gradient comes after the
+    resume starts its state then, as in the run never interrupted (bitwise)."""
+    from splitstage.tasks.stage2.checkpoint import load_checkpoint, save_checkpoint
+
+    def built():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "late": torch.nn.Linear(4, 4)})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def update(model, optimizer, step: int) -> None:
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        out = model["used"](x)
+        if step > 2:  # `late` gets its first gradient after the checkpoint at update 2
+            out = out + model["late"](x)
+        out.square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    straight, optimizer = built()
+    for step in (1, 2, 3, 4):
+        update(straight, optimizer, step)
+    halted, optimizer = built()
+    for step in (1, 2):
+        update(halted, optimizer, step)
+    save_checkpoint(str(tmp_path), 2, halted, optimizer, {}, save_rng=False)
+    resumed, optimizer = built()
+    load_checkpoint(str(tmp_path), 2, resumed, optimizer)
+    assert not any(p in optimizer.state for p in resumed["late"].parameters())
+    for step in (3, 4):
+        update(resumed, optimizer, step)
+    for (name, mine), theirs in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(mine, theirs), name
