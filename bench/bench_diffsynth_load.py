@@ -1,11 +1,14 @@
 """Loading one frozen DiffSynth slot: peak RSS over the file's bytes, DiffSynth's own
 `from_pretrained` against splitstage's `load_slot`, side by side in one run.
 
-Run: .venv/diffsynth/bin/python bench/bench_diffsynth_load.py [--layers 4]
+Run: .venv/diffsynth/bin/python bench/bench_diffsynth_load.py [--layers 4] [--model audio_encoder]
 
-The model is DiffSynth's own `WanModel` at Wan 2.1 1.3B's widths (dim 1536, FFN 8960, 12 heads,
-4096-wide text) with `--layers` of its 30 blocks (4: ~0.2B parameters, a ~0.8 GB fp32 file),
-random weights, saved once under runs/bench/diffsynth_load/ (never committed, nothing
+The model (`--model dit`, the default) is DiffSynth's own `WanModel` at Wan 2.1 1.3B's widths (dim
+1536, FFN 8960, 12 heads, 4096-wide text) with `--layers` of its 30 blocks (4: ~0.2B parameters,
+a ~0.8 GB fp32 file); `--model audio_encoder` is DiffSynth's `WanS2VAudioEncoder` at its real
+size (Wan-S2V's wav2vec2-large, ~0.3B parameters, a ~1.3 GB fp32 file; a transformers model whose
+weight-normed convolution has a load hook: `load_slot` hands it a copy of its own per tensor).
+Random weights, saved once under runs/bench/diffsynth_load/ (never committed, nothing
 downloaded) in fp32 and in bf16, and registered in DiffSynth's MODEL_CONFIGS by its key hash as
 the tests register their tiny files. Each case runs in its own process (1 torch thread, CPU):
 a WanVideoPipeline holding that one model, loaded from one file into one torch_dtype. Loaders:
@@ -30,7 +33,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORK = Path("runs/bench/diffsynth_load")
-CLASS = "diffsynth.models.wan_video_dit.WanModel"
+MODELS = {  # --model: (class, DiffSynth model name, WanVideoPipeline slot, kwargs per layers)
+    "dit": ("diffsynth.models.wan_video_dit.WanModel", "wan_video_dit", "dit", True),
+    "audio_encoder": (
+        "diffsynth.models.wav2vec.WanS2VAudioEncoder",
+        "wans2v_audio_encoder",
+        "audio_encoder",
+        False,
+    ),
+}
 WAN_1_3B = {  # DiffSynth's MODEL_CONFIGS kwargs of Wan 2.1 T2V 1.3B, layers set per run
     "has_image_input": False,
     "patch_size": [1, 2, 2],
@@ -65,36 +76,40 @@ def status_gb(field: str) -> float:
     return 0.0
 
 
-def file_path(layers: int, dtype: str) -> Path:
-    return WORK / f"wan_dit_{layers}l_{dtype}.safetensors"
+def file_path(model: str, layers: int, dtype: str) -> Path:
+    if model == "dit":
+        return WORK / f"wan_dit_{layers}l_{dtype}.safetensors"
+    return WORK / f"wan_{model}_{dtype}.safetensors"
 
 
-def kwargs_of(layers: int) -> dict:
-    return {**WAN_1_3B, "num_layers": layers}
+def kwargs_of(model: str, layers: int) -> dict:
+    """The model's constructor arguments (the DiT's with `layers` blocks; the others: none)."""
+    return {**WAN_1_3B, "num_layers": layers} if MODELS[model][3] else {}
 
 
-def write_files(layers: int) -> None:
+def write_files(model: str, layers: int) -> None:
     """The model with random weights, saved once per dtype."""
-    if all(file_path(layers, d).is_file() for d in FILES):
+    if all(file_path(model, layers, d).is_file() for d in FILES):
         return
     import torch
-    from diffsynth.models.wan_video_dit import WanModel
+    from diffsynth.models.model_loader import ModelPool
     from safetensors.torch import save_file
 
     WORK.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    state = WanModel(**kwargs_of(layers)).state_dict()
+    cls = ModelPool().import_model_class(MODELS[model][0])
+    state = cls(**kwargs_of(model, layers)).state_dict()
     for dtype in FILES:
         target = torch.float32 if dtype == "fp32" else torch.bfloat16
         tensors = {
             k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in state.items()
         }
-        path = file_path(layers, dtype)
+        path = file_path(model, layers, dtype)
         save_file(tensors, str(path) + ".tmp")
         os.replace(str(path) + ".tmp", path)
 
 
-def one_case(loader: str, path: Path, layers: int, torch_dtype: str) -> dict:
+def one_case(loader: str, model_key: str, path: Path, layers: int, torch_dtype: str) -> dict:
     """Load the slot in this process; what /proc says about memory before and after."""
     import contextlib
     import io
@@ -114,12 +129,13 @@ def one_case(loader: str, path: Path, layers: int, torch_dtype: str) -> dict:
         load_slot,
     )
 
-    entry = {"path": str(path), "model_name": "wan_video_dit", "model_class": CLASS}
+    model_class, model_name, slot, _ = MODELS[model_key]
+    entry = {"path": str(path), "model_name": model_name, "model_class": model_class}
     config = DiffSynthPipelineConfig(
         pipeline_class="WanVideoPipeline",
         model_paths=[str(path)],
         tokenizer_path=str(WORK),
-        register_models=[{**entry, "extra_kwargs": kwargs_of(layers)}],
+        register_models=[{**entry, "extra_kwargs": kwargs_of(model_key, layers)}],
         torch_dtype=torch_dtype,
     )
     (registered,) = file_entries(str(path), config.register_models)
@@ -143,7 +159,7 @@ def one_case(loader: str, path: Path, layers: int, torch_dtype: str) -> dict:
         else:
             pipe = load_slot(config, SlotSource(str(path), registered), torch.device("cpu"), False)
     seconds = time.perf_counter() - start
-    model = pipe.dit
+    model = getattr(pipe, slot)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert all(p.dtype == DTYPES[torch_dtype] for p in model.parameters())
     return {
@@ -159,22 +175,27 @@ def one_case(loader: str, path: Path, layers: int, torch_dtype: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", choices=list(MODELS), default="dit")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         loader, file_dtype, torch_dtype = CASES[args.case]
-        path = file_path(args.layers, file_dtype)
-        print(json.dumps(one_case(loader, path, args.layers, torch_dtype)))
+        path = file_path(args.model, args.layers, file_dtype)
+        print(json.dumps(one_case(loader, args.model, path, args.layers, torch_dtype)))
         return
     os.environ.update({"OMP_NUM_THREADS": "1", "DIFFSYNTH_SKIP_DOWNLOAD": "True"})
-    write_files(args.layers)
-    print(f"WanModel, Wan 2.1 1.3B widths, {args.layers} blocks; 1 torch thread, CPU")
+    write_files(args.model, args.layers)
+    if args.model == "dit":
+        print(f"WanModel, Wan 2.1 1.3B widths, {args.layers} blocks; 1 torch thread, CPU")
+    else:
+        print(f"{MODELS[args.model][0]}, its real size; 1 torch thread, CPU")
     header = "case | file GB | weights GB | peak/file | (peak-before)/file | (peak-before)/weights"
     print(header + " | anon GB | file-mapped GB | s")
     for name, (_, file_dtype, _) in CASES.items():
-        path = file_path(args.layers, file_dtype)
+        path = file_path(args.model, args.layers, file_dtype)
+        flags = ["--layers", str(args.layers), "--model", args.model, "--case", name]
         done = subprocess.run(
-            [sys.executable, __file__, "--layers", str(args.layers), "--case", name],
+            [sys.executable, __file__, *flags],
             capture_output=True,
             text=True,
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},

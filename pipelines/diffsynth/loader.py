@@ -208,8 +208,9 @@ def load_slot(
     """DiffSynth's `from_pretrained` building a pipeline of one slot's model (plus the tokenizer,
     and the processor where the config names one, when asked), in training mode: its slot rules,
     tokenizer and processor unchanged, the model loaded by `load_frozen` from the file mapped,
-    tensor by tensor into the pipeline's dtype and device; a model `lean_load_refusal` names goes
-    through DiffSynth's own loader instead (`diffsynth_load`: equal, with whole-model copies)."""
+    tensor by tensor into the pipeline's dtype and device; a model `lean_load_refusal` names (a
+    pre-quantized file, DeepSpeed ZeRO-3) goes through DiffSynth's own loader instead
+    (`diffsynth_load`: equal, with whole-model copies)."""
     if lean_load_refusal(source.entry) is not None:
         return diffsynth_load(config, source, device, tokenizer)
     core = diffsynth_module("diffsynth.core")
@@ -242,25 +243,52 @@ def load_slot(
 
 def lean_load_refusal(entry: dict[str, Any]) -> str | None:
     """Why `load_frozen` would not load an entry's model exactly as DiffSynth's `load_model`
-    does (a pre-quantized file, DeepSpeed ZeRO-3, a class whose own `to`, `_apply` or
-    state-dict loading could treat a tensor converted before loading otherwise), or None."""
+    does (a pre-quantized file: DiffSynth quantizes while loading; DeepSpeed ZeRO-3: it
+    partitions the model while loading), or None."""
     if "quant_config" in entry:
         return "a pre-quantized checkpoint (DiffSynth quantizes while loading)"
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if is_deepspeed_zero3_enabled():
         return "DeepSpeed ZeRO-3 partitions the model while loading"
-    model = meta_model(entry)
-    if type(model).to is not torch.nn.Module.to:
-        return f"{type(model).__name__} has its own `to`"
-    for name, module in model.named_modules():
-        cls = type(module)
-        hooks = module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks
-        if cls._apply is not torch.nn.Module._apply or hooks:
-            return f"{cls.__name__} ({name or 'the model'}) has its own `_apply` or load hooks"
-        if cls._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
-            return f"{cls.__name__} ({name or 'the model'}) has its own `_load_from_state_dict`"
     return None
+
+
+def moves_as_torch(model: torch.nn.Module) -> bool:
+    """Whether `model.to` is torch's `Module.to`: its class's, or transformers'
+    `PreTrainedModel.to` on a model no quantizer touched (that method only refuses or patches
+    BNB / GPTQ / HQQ / Quark models and otherwise runs `super().to`, torch's next in its
+    class order)."""
+    move = type(model).to
+    if move is torch.nn.Module.to:
+        return True
+    from transformers import PreTrainedModel
+
+    if move is not PreTrainedModel.to or not isinstance(model, PreTrainedModel):
+        return False
+    order = type(model).__mro__
+    after = order[order.index(PreTrainedModel) + 1 :]
+    next_move = next(cls.__dict__["to"] for cls in after if "to" in cls.__dict__)
+    quantized = getattr(model, "quantization_method", None) or getattr(model, "hf_quantizer", None)
+    return next_move is torch.nn.Module.to and not quantized
+
+
+def own_loading_code(model: torch.nn.Module) -> list[str]:
+    """What in a model runs its own code on the tensors it loads or moves (a `to` other than
+    torch's, `_apply`, `_load_from_state_dict`, load hooks; e.g. a buffer put back in fp32, a
+    weight-norm key renamed): `load_frozen` runs each where `load_model` does, on tensors read
+    `private` (a copy of its own per read, as DiskMap's clone), so that code gets what it gets
+    in DiffSynth: equal values, dtypes, devices and a storage of each tensor's own."""
+    found = [] if moves_as_torch(model) else [f"{type(model).__name__}.to"]
+    for name, module in model.named_modules():
+        cls, where = type(module), f"{type(module).__name__} ({name or 'the model'})"
+        if cls._apply is not torch.nn.Module._apply:
+            found.append(f"{where}._apply")
+        if cls._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
+            found.append(f"{where}._load_from_state_dict")
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            found.append(f"{where} load hooks")
+    return found
 
 
 class MovedOnRead(Mapping):
@@ -268,15 +296,19 @@ class MovedOnRead(Mapping):
     `dtype` on `device`, whatever its own dtype, integers included), read from the file mapped:
     once a tensor is copied, the file's pages it was read from are handed back, so only the
     copies stay. A tensor already in `dtype` on the CPU is the file's view itself (mapped
-    copy-on-write, never written: DiskMap's clone, without the copy)."""
+    copy-on-write, never written: DiskMap's clone, without the copy), unless `private`: then
+    it is copied too, each read a tensor of its own as DiskMap's are (for models that run
+    their own code on what they load, `own_loading_code`)."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, path: str, dtype: torch.dtype, device: Any, private: bool = False) -> None:
         self.views = mapped_state(path)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.private = dtype, device, private
 
     def __getitem__(self, key: str) -> torch.Tensor:
         view = self.views[key]
         moved = view.to(device=self.device, dtype=self.dtype)
+        if moved is view and self.private:
+            moved = view.clone()
         if moved is not view:
             drop_mapped_pages(view)
         return moved
@@ -294,9 +326,10 @@ class MovedOnRead(Mapping):
 def load_frozen(source: SlotSource, dtype: torch.dtype, device: Any) -> torch.nn.Module:
     """DiffSynth's `load_model` of one file, step by step (its init context, the file's tensors
     in `dtype` on `device` as its DiskMap reads them, its converter, load_state_dict with assign,
-    the model moved to `dtype` and `device`, eval), the file mapped and each tensor's pages
-    handed back once it is converted (`MovedOnRead`): the peak holds the final weights plus one
-    tensor, never the file beside the converted model."""
+    the model's own `to` to `dtype` and `device`, eval: the same calls in the same order, the
+    class's own `to`, `_apply`, state-dict loading and hooks included), the file mapped and each
+    tensor's pages handed back once it is converted (`MovedOnRead`): the peak holds the final
+    weights plus one tensor, never the file beside the converted model."""
     loader = diffsynth_module("diffsynth.core.loader.model")
     pool = diffsynth_module("diffsynth.models.model_loader").ModelPool()
     entry = source.entry
@@ -304,7 +337,7 @@ def load_frozen(source: SlotSource, dtype: torch.dtype, device: Any) -> torch.nn
         for context in loader.get_init_context(torch_dtype=dtype, device=device):
             stack.enter_context(context)
         model = pool.import_model_class(entry["model_class"])(**entry.get("extra_kwargs", {}))
-    state = MovedOnRead(source.path, dtype, device)
+    state = MovedOnRead(source.path, dtype, device, private=bool(own_loading_code(model)))
     if "state_dict_converter" in entry:
         converted = pool.import_model_class(entry["state_dict_converter"])(state)
     else:

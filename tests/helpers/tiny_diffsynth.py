@@ -22,14 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffsynth.models.dinov3_image_encoder import DINOv3ImageEncoder
+from diffsynth.models.flux_text_encoder_t5 import FluxTextEncoderT5
 from diffsynth.models.flux_vae import DownSampler, FluxVAEDecoder, FluxVAEEncoder, ResnetBlock
 from diffsynth.models.flux_vae import UpSampler as FluxUpSampler
 from diffsynth.models.general_modules import AdaLayerNorm, RMSNorm, TimestepEmbeddings
+from diffsynth.models.qwen_image_21_text_encoder import QwenImage21TextEncoder
 from diffsynth.models.qwen_image_dit import QwenEmbedRope, QwenImageDiT, QwenImageTransformerBlock
 from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
+from diffsynth.models.siglip2_image_encoder import Siglip2ImageEncoder, Siglip2ImageEncoder428M
 from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
+from diffsynth.models.wav2vec import WanS2VAudioEncoder
 from diffsynth.models.z_image_text_encoder import ZImageTextEncoder
 from safetensors.torch import save_file
+from transformers import DINOv3ViTModel, Siglip2VisionModel, SiglipVisionModel
 
 from tests.helpers.tiny_diffusers import qwen_tokenizer, t5_tokenizer
 
@@ -460,3 +466,201 @@ def write_tiny_edit_models(folder: str | Path, *, seed: int = 0) -> dict[str, An
     info = write_tiny_models("QwenImageEdit", folder, seed=seed, kwargs_of=kwargs_of)
     processor = qwen_image_edit_processor(Path(folder) / "processor", tokenizer)
     return info | {"processor_path": str(processor)}
+
+
+def _tiny_siglip_config() -> Any:
+    """A 1-layer SigLIP vision tower of width 32 on 32 x 32 images (patches of 16)."""
+    from transformers.models.siglip.modeling_siglip import SiglipVisionConfig
+
+    return SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+        hidden_act="gelu_pytorch_tanh",
+        dtype="float32",
+    )
+
+
+class TinySiglip2ImageEncoder(Siglip2ImageEncoder):
+    """Siglip2ImageEncoder (Qwen-Image's / Z-Image's SigLIP2-G384) around a 1-layer tower."""
+
+    def __init__(self):
+        SiglipVisionModel.__init__(self, _tiny_siglip_config())
+
+
+class TinySiglip2ImageEncoder428M(Siglip2ImageEncoder428M):
+    """Siglip2ImageEncoder428M (Z-Image's) around a 1-layer SigLIP2 tower, its config in bf16."""
+
+    def __init__(self):
+        from transformers import Siglip2VisionConfig
+
+        config = Siglip2VisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_patches=16,
+            patch_size=16,
+            hidden_act="gelu_pytorch_tanh",
+            dtype="bfloat16",
+        )
+        Siglip2VisionModel.__init__(self, config)
+
+
+class TinyDINOv3ImageEncoder(DINOv3ImageEncoder):
+    """DINOv3ImageEncoder (Qwen-Image's / Z-Image's DINOv3-7B) around a 1-layer ViT of width 32
+    (its RoPE buffers built by the constructor, 4 register tokens, gated MLP)."""
+
+    def __init__(self):
+        from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTConfig
+
+        config = DINOv3ViTConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=16,
+            num_register_tokens=4,
+            hidden_act="silu",
+            use_gated_mlp=True,
+            rope_theta=100.0,
+            pos_embed_rescale=2.0,
+            dtype="float32",
+        )
+        DINOv3ViTModel.__init__(self, config)
+
+
+class TinyFluxTextEncoderT5(FluxTextEncoderT5):
+    """FluxTextEncoderT5 (FLUX's T5-XXL encoder) at width 32, 1 layer, a 200-token vocabulary
+    (its shared embedding tied to the encoder's, as in T5EncoderModel)."""
+
+    def __init__(self):
+        from transformers import T5Config, T5EncoderModel
+
+        config = T5Config(
+            vocab_size=200,
+            d_model=32,
+            d_kv=16,
+            d_ff=64,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            dense_act_fn="gelu_new",
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+        )
+        T5EncoderModel.__init__(self, config)
+
+
+class TinyWanS2VAudioEncoder(WanS2VAudioEncoder):
+    """WanS2VAudioEncoder (Wan-S2V's wav2vec2) around a 1-layer wav2vec2 of width 32 (its
+    positional convolution weight-normed: a parametrization with a load-state-dict hook)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+        config = Wav2Vec2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            conv_dim=[16, 16],
+            conv_kernel=[10, 3],
+            conv_stride=[5, 2],
+            num_feat_extract_layers=2,
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2,
+            do_stable_layer_norm=True,
+            feat_extract_norm="layer",
+            vocab_size=33,
+        )
+        self.model = Wav2Vec2ForCTC(config)
+        self.video_rate = 30
+
+
+class TinyQwenImage21TextEncoder(QwenImage21TextEncoder):
+    """QwenImage21TextEncoder (its own `to`, which puts the fp32 rotary buffers back after a
+    move) around a 1-layer Qwen3-VL of width 32 with a 1-block vision tower."""
+
+    QWEN_IMAGE_21_TEXT_ENCODER_CONFIG = {
+        "text_config": {
+            "head_dim": 16,
+            "hidden_act": "silu",
+            "hidden_size": TEXT_DIM,
+            "intermediate_size": 64,
+            "max_position_embeddings": 1024,
+            "model_type": "qwen3_vl_text",
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": {
+                "mrope_interleaved": True,
+                "mrope_section": [2, 3, 3],
+                "rope_type": "default",
+            },
+            "rope_theta": 5000000,
+            "vocab_size": 300,
+        },
+        "vision_config": {
+            "deepstack_visual_indexes": [0],
+            "depth": 1,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 16,
+            "in_channels": 3,
+            "intermediate_size": 32,
+            "model_type": "qwen3_vl",
+            "num_heads": 2,
+            "num_position_embeddings": 16,
+            "out_hidden_size": TEXT_DIM,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "image_token_id": 296,
+        "video_token_id": 297,
+        "vision_start_token_id": 298,
+        "vision_end_token_id": 299,
+        "tie_word_embeddings": False,
+    }
+
+
+# Models whose classes run code of their own on what they load or move (transformers'
+# `PreTrainedModel.to`, a `to` of their own, a load hook): model name -> the fields of its
+# MODEL_CONFIGS entry (FLUX's T5 file holds its tied embedding once; DiffSynth's converter
+# reads it twice).
+OWN_LOADING_MODELS = {
+    "siglip2_image_encoder": {"model_class": f"{MODULE}.TinySiglip2ImageEncoder"},
+    "siglip_vision_model_428m": {"model_class": f"{MODULE}.TinySiglip2ImageEncoder428M"},
+    "dinov3_image_encoder": {"model_class": f"{MODULE}.TinyDINOv3ImageEncoder"},
+    "flux_text_encoder_t5": {
+        "model_class": f"{MODULE}.TinyFluxTextEncoderT5",
+        "state_dict_converter": "diffsynth.utils.state_dict_converters.flux_text_encoder_t5."
+        "FluxTextEncoderT5StateDictConverter",
+    },
+    "wans2v_audio_encoder": {"model_class": f"{MODULE}.TinyWanS2VAudioEncoder"},
+    "qwen_image_21_text_encoder": {"model_class": f"{MODULE}.TinyQwenImage21TextEncoder"},
+}
+
+
+def write_tiny_model(
+    model_name: str, fields: dict[str, Any], path: str | Path, *, seed: int = 0
+) -> dict[str, Any]:
+    """Write one tiny model of `fields["model_class"]` (random, every tensor defined, floating
+    tensors in fp32; a tied tensor once, under its first name, as transformers saves it) to
+    `path`; returns its MODEL_CONFIGS fields with "path" and "model_name"."""
+    torch.manual_seed(seed)
+    model = build_initialized(_class(fields["model_class"]), fields.get("extra_kwargs", {}))
+    state, written = {}, set()
+    for key, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in written:
+            written.add(tensor.data_ptr())
+            state[key] = tensor.detach().contiguous()
+    check_finite(state, Path(path).name)
+    save_file(state, str(path))
+    return {"path": str(path), "model_name": model_name, **fields}
