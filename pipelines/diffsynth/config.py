@@ -51,6 +51,9 @@ REQUIRED_SLOTS: dict[str, dict[str, str]] = {
         "vae": "it encodes the training images",
     },
 }
+# DiffSynth's train.py sizes images with max_pixels to multiples of 16 (its data operators'
+# height_division_factor and width_division_factor), whatever the pipeline's own factor.
+DYNAMIC_DIVISION = 16
 INSTALL_HINT = (
     "pip install 'splitstage[diffsynth]' (on a GPU also the torchvision build matching your torch; "
     "see docs/families/diffsynth.md)"
@@ -116,11 +119,25 @@ class DiffSynthPipelineConfig(PipelineConfig):
     torch_dtype: Literal["bf16", "fp32"] = setting(
         "bf16", stage1=True, description="The pipeline's torch_dtype (DiffSynth trains in bf16)."
     )
-    height: int = setting(
-        512, stage1=True, ge=16, description="Images and video frames are resized to this."
+    height: int | None = setting(
+        512,
+        stage1=True,
+        ge=16,
+        description="Images and video frames are resized to this (unset with max_pixels).",
     )
-    width: int = setting(
-        512, stage1=True, ge=16, description="Images and video frames are resized to this."
+    width: int | None = setting(
+        512,
+        stage1=True,
+        ge=16,
+        description="Images and video frames are resized to this (unset with max_pixels).",
+    )
+    max_pixels: int | None = setting(
+        None,
+        stage1=True,
+        ge=DYNAMIC_DIVISION**2,
+        description="DiffSynth's --max_pixels (train.py's dynamic resolution, with height and "
+        "width unset): each image and video frame keeps its aspect ratio, scaled down to at most "
+        "this many pixels, its sides cut to multiples of 16 (its ImageCropAndResize).",
     )
     max_timestep_boundary: float = setting(
         1.0, stage1=False, gt=0, le=1, description="FlowMatchSFTLoss: highest timestep share."
@@ -143,6 +160,22 @@ class DiffSynthPipelineConfig(PipelineConfig):
                 "pipeline.num_frames"
             )
         return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_or_dynamic_size(cls, values: Any) -> Any:
+        """max_pixels sizes each image by itself (train.py's rule: dynamic when height or width
+        is unset): a height or width beside it would be ignored there, so it is refused here."""
+        if not isinstance(values, dict) or values.get("max_pixels") is None:
+            return values
+        for size in ("height", "width"):
+            if values.get(size) is not None:
+                raise ValueError(
+                    f"{size}: pipeline.max_pixels sizes each image by its own aspect ratio "
+                    f"(DiffSynth's dynamic resolution), which ignores {size}; remove "
+                    f"pipeline.{size}, or remove pipeline.max_pixels for a fixed size"
+                )
+        return {**values, "height": None, "width": None}
 
     @model_validator(mode="after")
     def _known_class_and_files(self) -> DiffSynthPipelineConfig:
@@ -180,6 +213,13 @@ class DiffSynthPipelineConfig(PipelineConfig):
                     f"processor_path: folder {self.processor_path} does not exist; give the local "
                     "Qwen2.5-VL processor folder (nothing is downloaded)"
                 )
+        if self.max_pixels is None:
+            for size in ("height", "width"):
+                if getattr(self, size) is None:
+                    raise ValueError(
+                        f"{size}: set pipeline.height and pipeline.width (a fixed size), or "
+                        "pipeline.max_pixels (DiffSynth's dynamic resolution)"
+                    )
         if self.min_timestep_boundary >= self.max_timestep_boundary:
             raise ValueError("min_timestep_boundary must be below max_timestep_boundary")
         return self

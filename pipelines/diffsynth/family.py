@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import nn
 
 from splitstage.config.job import ConfigError
@@ -32,7 +33,12 @@ from splitstage.data.references import ReferenceImages, check_reference_rows
 from splitstage.data.row_table import RowTable
 from splitstage.data.videos import video_key_settings
 from splitstage.pipelines.diffsynth.adapter import DEFAULT_STEP_PARAMS, pipeline_from_diffsynth
-from splitstage.pipelines.diffsynth.config import EDIT_PIPELINES, PIPELINES, REQUIRED_SLOTS
+from splitstage.pipelines.diffsynth.config import (
+    DYNAMIC_DIVISION,
+    EDIT_PIPELINES,
+    PIPELINES,
+    REQUIRED_SLOTS,
+)
 from splitstage.pipelines.diffsynth.loader import (
     DTYPES,
     SlotSource,
@@ -199,7 +205,10 @@ class DiffSynthFamily(Family):
         `[data.video]` frame choice: the cache key takes them all."""
         task = self.config.train.task
         frames = video_key_settings(self.config.data.video) if self.takes_video else {}
-        return {**super().stage1_settings(), "resize": RESIZE, **frames} | (
+        settings = super().stage1_settings()
+        if settings.get("max_pixels") is None:  # fixed sizes: the keys of caches made before it
+            settings.pop("max_pixels", None)
+        return {**settings, "resize": RESIZE, **frames} | (
             {} if task == "sft" else {"task": task}  # the cache holds the row's starting noise
         )
 
@@ -248,37 +257,53 @@ class DiffSynthFamily(Family):
         rule = ReferenceImages(required=True, most=most)
         check_reference_rows(rows, rule, f"{cls.name} {group.pipeline_class}", reference_takers)
 
+    def sized(self, image: Image.Image, where: str) -> Image.Image:
+        """An image or frame as train.py's operator sizes it (height x width, or max_pixels)."""
+        group = self.group
+        if group.max_pixels is None:
+            return center_crop_resize(image, group.height, group.width, RESIZE)
+        operators = diffsynth_module("diffsynth.core.data.operators")
+        division = (DYNAMIC_DIVISION, DYNAMIC_DIVISION)
+        operator = operators.ImageCropAndResize(None, None, group.max_pixels, *division)
+        height, width = operator.get_height_width(image)
+        if not height or not width:
+            raise ValueError(
+                f"{where}: its {image.width} x {image.height} image is under {DYNAMIC_DIVISION} "
+                f"pixels on a side at pipeline.max_pixels = {group.max_pixels}; remove the row "
+                "or raise pipeline.max_pixels"
+            )
+        return operator.crop_and_resize(image, height, width)
+
     def edit_images(self, row: Row, base_path: str | Path) -> Any:
         """A row's reference images as DiffSynth's train.py hands `edit_image` to the units (its
-        data operator, on every data file key): each scaled and cropped by DiffSynth's rule to
-        height x width; one reference as one image (unless pipeline.edit_image_list), several
+        data operator, on every data file key): each scaled and cropped by DiffSynth's rule
+        (`sized`); one reference as one image (unless pipeline.edit_image_list), several
         as a list (the edit units' single- and multi-image templates differ)."""
-        group = self.group
         images = []
         for ref in row.references:
             ref_row = reference_row(row, ref)
             image = decode_image(read_image_bytes(ref_row, base_path), ref_row, base_path)
-            images.append(center_crop_resize(image, group.height, group.width, RESIZE))
-        return images[0] if len(images) == 1 and not group.edit_image_list else images
+            images.append(self.sized(image, ref_row.where))
+        return images[0] if len(images) == 1 and not self.group.edit_image_list else images
 
     def load_sample(self, row: Row, base_path: str | Path) -> dict[str, Any]:
         """The inputs DiffSynth's train.py builds from a row: the image, or for video pipelines
         the clip (`input_video`: a video row's `[data.video]` frames, an image row as one
-        frame, as DiffSynth's video loader gives them), each frame scaled by DiffSynth's rule to
-        height x width; the prompt, the training constants, and a row's reference images as
-        `edit_image` (`edit_images`)."""
-        group = self.group
+        frame, as DiffSynth's video loader gives them), each frame scaled by DiffSynth's rule
+        (`sized`), height and width its size (as train.py reads them); the prompt, the training
+        constants, and a row's reference images as `edit_image` (`edit_images`)."""
         sample = dict.fromkeys(self.unset_params)  # read, never written: None, as `.get` gives
         sample |= {**self.constants(), "prompt": row.prompt, "negative_prompt": ""}
-        sample |= {"height": group.height, "width": group.width}
         if self.config.train.task == "direct_distill":
             sample |= distill_inputs(row)
         if self.takes_video:
             frames = clip_frames(row, base_path, self.config.data.video)
-            video = [center_crop_resize(f, group.height, group.width, RESIZE) for f in frames]
-            return sample | {"input_video": video, "num_frames": len(video)}
+            video = [self.sized(f, row.where) for f in frames]
+            size = {"height": video[0].height, "width": video[0].width}
+            return sample | size | {"input_video": video, "num_frames": len(video)}
         image = decode_image(read_image_bytes(row, base_path), row, base_path)
-        sample["input_image"] = center_crop_resize(image, group.height, group.width, RESIZE)
+        image = self.sized(image, row.where)
+        sample |= {"input_image": image, "height": image.height, "width": image.width}
         if row.references:  # checked before stage 1: a pipeline with edit units
             sample["edit_image"] = self.edit_images(row, base_path)
         return sample
@@ -318,7 +343,14 @@ class DiffSynthFamily(Family):
         for size in ("height", "width"):
             factor = getattr(self.meta_pipe, f"{size}_division_factor")
             value = getattr(group, size)
-            if value % factor:
+            if value is None and DYNAMIC_DIVISION % factor:
+                raise ConfigError(
+                    f"pipeline.max_pixels: DiffSynth's dynamic resolution cuts images to "
+                    f"multiples of {DYNAMIC_DIVISION}, and {group.pipeline_class} with these "
+                    f"model files needs multiples of {factor}; set pipeline.height and "
+                    "pipeline.width instead"
+                )
+            if value is not None and value % factor:
                 fits = max(factor, round(value / factor) * factor)
                 raise ConfigError(
                     f"pipeline.{size} = {value}: {group.pipeline_class} with these model files "
