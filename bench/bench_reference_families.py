@@ -262,18 +262,15 @@ def write_qwen_edit_plus_folder(folder: Path, factor: int) -> None:
     _write_vl_processor(folder, tokenizer)
 
 
-def qwen_edit_job(
-    batch: int, folder: Path, side: int, reference: int, condition: int, prompt_length: int
-):
-    """A LoRA job on a Qwen-Image-Edit folder: side-px digits, each with one mirrored reference
-    (reference x reference px; sized to reference² for the VAE and condition² for Qwen2.5-VL)."""
+def write_reference_rows(data: Path, count: int, side: int, reference: int) -> Path:
+    """`count` captioned digits (side / 2 px, scaled to side by the job) in `data`, each with
+    one reference: the digit mirrored, reference x reference px."""
     from PIL import Image, ImageOps
 
     from splitstage.data.digits import write_digits_dataset
 
-    data = WORK / f"edit-data-{side}"
     shutil.rmtree(data, ignore_errors=True)
-    write_digits_dataset(data, limit=batch, size=side // 2)
+    write_digits_dataset(data, limit=count, size=side // 2)
     lines = (data / "metadata.csv").read_text().splitlines()
     rows = [lines[0] + ",edit_image"]
     for line in lines[1:]:
@@ -283,6 +280,15 @@ def qwen_edit_job(
         ImageOps.mirror(ref).save(data / name)
         rows.append(f"{line},{name}")
     (data / "metadata.csv").write_text("\n".join(rows) + "\n")
+    return data
+
+
+def qwen_edit_job(
+    batch: int, folder: Path, side: int, reference: int, condition: int, prompt_length: int
+):
+    """A LoRA job on a Qwen-Image-Edit folder: side-px digits, each with one mirrored reference
+    (reference x reference px; sized to reference² for the VAE and condition² for Qwen2.5-VL)."""
+    data = write_reference_rows(WORK / f"edit-data-{side}", batch, side, reference)
     pipeline = {"name": "qwenimage_edit", "pretrained": str(folder), "resolution": side}
     pipeline |= {"precision": "fp32", "max_prompt_length": prompt_length}
     pipeline |= {"reference_max_pixels": reference**2, "condition_max_pixels": condition**2}
@@ -347,22 +353,7 @@ def write_flux_kontext_folder(folder: Path, factor: int) -> None:
 def flux_kontext_job(batch: int, folder: Path, side: int, prompt_length: int):
     """A LoRA job on a FLUX.1 Kontext folder: side-px digits, each with one mirrored side-px
     reference."""
-    from PIL import Image, ImageOps
-
-    from splitstage.data.digits import write_digits_dataset
-
-    data = WORK / f"kontext-data-{side}"
-    shutil.rmtree(data, ignore_errors=True)
-    write_digits_dataset(data, limit=batch, size=side // 2)
-    lines = (data / "metadata.csv").read_text().splitlines()
-    rows = [lines[0] + ",edit_image"]
-    for line in lines[1:]:
-        image = line.split(",")[0]
-        name = f"ref-{Path(image).stem}.png"
-        ref = Image.open(data / image).convert("RGB").resize((side, side))
-        ImageOps.mirror(ref).save(data / name)
-        rows.append(f"{line},{name}")
-    (data / "metadata.csv").write_text("\n".join(rows) + "\n")
+    data = write_reference_rows(WORK / f"kontext-data-{side}", batch, side, side)
     pipeline = {"name": "flux_kontext", "pretrained": str(folder), "resolution": side}
     pipeline |= {"precision": "fp32", "max_prompt_length": prompt_length}
     return config_from_dict({

@@ -5,14 +5,13 @@ refuse rows that do not fit them before stage 1 caches anything."""
 
 from __future__ import annotations
 
-import csv
 import io
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from splitstage.data.dataset import DataError, load_metadata
 from splitstage.data.digits import write_digits_dataset
@@ -28,25 +27,10 @@ from tests.helpers.diffusers_families import (
     tiny_pipeline,
     trained_from_checkpoint,
 )
+from tests.helpers.family_roots import add_reference_images
 from tests.helpers.tiny_diffusers import write_tiny_folder
 
 pytestmark = pytest.mark.slow
-
-
-def _with_references(data: Path) -> None:
-    """Give each digit row a reference image: the digit mirrored (64 px, the training size)."""
-    (data / "ref").mkdir()
-    with (data / "metadata.csv").open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    for row in rows:
-        name = f"ref/{Path(row['image']).stem}.png"
-        image = Image.open(data / row["image"]).convert("RGB").resize((64, 64))
-        ImageOps.mirror(image).save(data / name)
-        row["edit_image"] = name
-    with (data / "metadata.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, ["image", "prompt", "edit_image"])
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +38,7 @@ def root(tmp_path_factory) -> Path:
     """Eight captioned digits with reference images, and a tiny FluxKontextPipeline folder."""
     root = tmp_path_factory.mktemp("kontext")
     write_digits_dataset(root / "data", limit=8, size=32)
-    _with_references(root / "data")
+    add_reference_images(root / "data")
     write_tiny_folder("flux_kontext", root / "flux_kontext")
     return root
 
