@@ -467,10 +467,17 @@ def check_memory_levers(train: TrainConfig, trainable: TrainableConfig) -> None:
                 "weight of its model (full fine-tuning); set base_quantization = 'none', or "
                 "train a LoRA (trainable.lora_base_model)"
             )
-        if train.parallelism not in ("ddp",):
+        if train.parallelism != "ddp" and (kind, train.parallelism) != ("nf4", "fsdp"):
+            shards = (
+                "; with train.parallelism = 'fsdp' use base_quantization = 'nf4' (torchao's "
+                "NF4 tensor shards under FSDP2, its int8 and float8 tensors do not)"
+                if train.parallelism == "fsdp"
+                else "; to shard the base, use train.parallelism = 'fsdp' with "
+                "base_quantization = 'nf4'"
+            )
             raise ValueError(
                 f"{where} runs on one process or with train.parallelism = 'ddp' (each rank "
-                f"holds the whole quantized base), not '{train.parallelism}'"
+                f"holds the whole quantized base), not '{train.parallelism}'{shards}"
             )
         if train.weights_loading != "slices":
             raise ValueError(

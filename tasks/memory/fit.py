@@ -4,7 +4,8 @@ The levers are tried in the documented order (docs/job-config.md), each added to
 before it: gradient checkpointing; a bf16 frozen base (LoRA); the micro-batch halved down to 1
 with more accumulation (the global batch kept); FSDP over the job's own ranks (when it has
 several and runs `ddp`); a quantized base, int8 then NF4 (LoRA, where `check_memory_levers`
-allows; in place of FSDP, which it cannot use yet); the quantized base's last N blocks in host
+allows; in place of FSDP); NF4 with FSDP over those ranks (QLoRA + FSDP2: each rank holds its
+share of the NF4 base); the quantized base's last N blocks in host
 memory (`offload = N`: the job's own kind or int8, N = 2, 4, 8, ... then every block: the
 smallest power of two that fits); CPU offload (in place of quantization). A lever the job
 cannot use is skipped. Each candidate costs one estimate (one fake step); the
@@ -112,6 +113,8 @@ def fit_candidates(
     stronger = {"none": ("int8", "nf4"), "int8": ("nf4",), "fp8": ("nf4",)}
     for kind in stronger.get(train.base_quantization, ()) if lora else ():
         yield unsharded | {"base_quantization": kind}
+    if lora and kept.get("parallelism") == "fsdp":  # NF4 sharded over the job's FSDP ranks
+        yield kept | {"base_quantization": "nf4"}
     if lora and train.offload == "none":  # a quantized base's blocks in host memory
         kind = "int8" if train.base_quantization == "none" else train.base_quantization
         swapped = unsharded | {"base_quantization": kind, "gradient_checkpointing": True}

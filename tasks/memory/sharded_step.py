@@ -31,8 +31,9 @@ from torch.utils._pytree import tree_leaves
 from splitstage.config.job import SplitstageConfig
 from splitstage.tasks.job_plan import JobPlan
 from splitstage.tasks.stage2.distributed import build_mesh
-from splitstage.tasks.stage2.models import parallel_mode
+from splitstage.tasks.stage2.models import nf4_sharded, parallel_mode
 from splitstage.tasks.stage2.parallelize import parallelize
+from splitstage.tasks.stage2.quantization import nf4_before_sharding
 
 FSDP_CATEGORY_PARTS = {  # FSDPMemTracker's categories -> this plan's parts
     "Sharded Grad": "gradients",
@@ -238,6 +239,8 @@ def shard_trained(plan: JobPlan, models: Mapping[str, nn.Module], mesh: DeviceMe
     mode, _, tp = parallel_mode(config, config.train.nnodes * config.train.nproc_per_node)
     if family.weights_file(name) is None:
         return parallelize(model, mesh=mesh, mode="fsdp")
+    if nf4_sharded(config, name, mode):  # NF4 before sharding, as stage 2 holds it
+        nf4_before_sharding(model, mesh.size())
     parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name))
     if mode == "fsdp+tp":
         family.tp_prepare(model, tp)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from splitstage.config.job import ConfigError, SplitstageConfig
 from splitstage.pipelines.family import Family
@@ -19,9 +20,12 @@ from splitstage.tasks.stage2.parallelize import parallelize
 from splitstage.tasks.stage2.pretrained_weights import materialize_and_load
 from splitstage.tasks.stage2.quantization import (
     QuantizingLoad,
+    frozen_nbytes,
     is_quantized,
+    nf4_before_sharding,
     quantized_kind,
     quantizing_load,
+    sharded_nf4_load,
 )
 
 LORA_ADAPTER = "default"
@@ -208,15 +212,28 @@ def adapt_trained(model: nn.Module, name: str, family: Family, device: torch.dev
 
 
 def quantizing_base(
-    model: nn.Module, name: str, family: Family, device: torch.device
+    model: nn.Module, name: str, family: Family, device: torch.device, sharded: bool = False
 ) -> QuantizingLoad | None:
     """How the LoRA base's weights are quantized while they load (`train.base_quantization`),
-    or None when it is held plain."""
+    or None when it is held plain; `sharded`: FSDP2's NF4 shards, made on the meta device before
+    `fully_shard` (`nf4_before_sharding`), filled from the whole weight each (torchtune's order)."""
     config = family.config
     kind = config.train.base_quantization
     if kind == "none" or name != config.trainable.lora_base_model:
         return None
-    return quantizing_load(model, kind, frozen_base_dtype(config, family, name, device), device)
+    dtype = frozen_base_dtype(config, family, name, device)
+    if sharded:
+        return sharded_nf4_load(model, dtype, device)
+    return quantizing_load(model, kind, dtype, device)
+
+
+def nf4_sharded(config: SplitstageConfig, name: str, mode: str) -> bool:
+    """Whether model `name` is the LoRA base held as NF4 shards under FSDP2."""
+    return (
+        mode == "fsdp"
+        and config.train.base_quantization == "nf4"
+        and name == config.trainable.lora_base_model
+    )
 
 
 def held_dtypes(name: str, model: nn.Module) -> str:
@@ -234,6 +251,8 @@ def held_dtypes(name: str, model: nn.Module) -> str:
         kinds = "/".join(sorted({quantized_kind(p) for p in quantized}))
         plain = [t for t in frozen if not is_quantized(t)]
         base = f"{kinds} ({len(quantized)} weights, torchao) + {names(plain)}"
+        if any(isinstance(p, DTensor) for p in quantized):  # FSDP2's NF4 shards
+            base += f" ({frozen_nbytes(model)} frozen bytes on this rank)"
     else:
         base = names(frozen)
     if not trained:
@@ -304,11 +323,16 @@ def build_stage2_models(
             continue
         model = family.build_model(name, dist_info.device, meta=True)
         model = adapt_trained(model, name, family, dist_info.device)
+        sharded_nf4 = nf4_sharded(config, name, mode)
+        if sharded_nf4:  # NF4 on meta first, so FSDP2 shards it with torchao's all-gather
+            nf4_before_sharding(model, dp)
         parallelize(model, mesh=mesh, mode=mode, tp_plan=family.tp_plan(name), offload=offload)
         if mode in ("tp", "fsdp+tp"):
             family.tp_prepare(model, tp)
         path, key_prefix = weights
-        quantized = quantizing_base(model, name, family, dist_info.device)
+        if sharded_nf4:  # this rank's NF4 shards allocated, then filled by their installers
+            model.to_empty(device=load_device)
+        quantized = quantizing_base(model, name, family, dist_info.device, sharded_nf4)
         installers = quantized.loaders if quantized else None
         swapped = swap if name == config.trainable.lora_base_model else 0
         if swapped and installers:  # the swapped blocks' weights go to the host as they load

@@ -8,6 +8,14 @@ quantized from one plain tensor (so the base never exists whole in bf16), and pe
 wrap the quantized layer untouched. Linear weights use torchao's own `F.linear`; a convolution's
 weight (two thirds of an SD UNet) is held quantized too and dequantized one layer at a time in
 forward and again in backward (`_QuantizedConv`), so autograd never keeps a dequantized copy.
+
+Under FSDP2 (NF4 only: torchao's `NF4Tensor` implements FSDP2's `fsdp_pre_all_gather` /
+`fsdp_post_all_gather`; its int8 and float8 tensors do not), torchtune's QLoRA order: each Linear
+weight of the base becomes an NF4 tensor on the meta device before `fully_shard`, so FSDP2 shards
+it with torchao's all-gather extension; at load each rank gathers the weight whole (its slice from
+the file, the rest from its peers), quantizes it as one rank would (the same block scales and the
+same mean of scales, which every rank's all-gather reuses), and keeps its own rows. Convolutions
+stay plain there (torchao's NF4 all-gather is for 2-D weights whose state-dict shape it keeps).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ KINDS = ("int8", "fp8", "nf4")
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 NF4_BLOCK = 64  # QLoRA's block of weights per scale
 NF4_SCALER_BLOCK = 256  # QLoRA's block of scales per second-level scale
+SCALER_BLOCKS = (NF4_SCALER_BLOCK, 128, 64, 32, 16, 8)
+NF4_RANKS = 8  # FSDP ranks a small layer's scaler blocks split over evenly (real widths: any)
 
 
 def import_torchao():
@@ -52,7 +62,8 @@ def import_torchao():
 
 def quantized_weights(model: nn.Module, keep_fp32: set[str] | None = None) -> dict[str, nn.Module]:
     """Module FQN -> module whose frozen `weight` is quantized: every Linear and convolution of
-    the model that is not a LoRA adapter and not kept in fp32 by its class."""
+    the model that is not a LoRA adapter, not kept in fp32 by its class, not quantized yet and
+    not sharded (FSDP2's NF4 weights are made before sharding, `nf4_before_sharding`)."""
     keep = set(keep_fp32 or ()) | set(getattr(model, "_keep_in_fp32_modules", None) or ())
     found = {}
     for fqn, module in model.named_modules():
@@ -61,20 +72,109 @@ def quantized_weights(model: nn.Module, keep_fp32: set[str] | None = None) -> di
             continue
         weight = getattr(module, "weight", None)
         frozen = weight is not None and not weight.requires_grad
-        if frozen and isinstance(module, (nn.Linear, *CONVS)):
+        if frozen and isinstance(weight, DTensor):  # sharded: quantized before, or never
+            continue
+        if frozen and isinstance(module, (nn.Linear, *CONVS)) and not is_quantized(weight):
             found[fqn] = module
     return found
 
 
+def nf4_shardable(shape: torch.Size, world: int) -> tuple[int, int] | None:
+    """NF4 (block, scaler block) sizes for a Linear weight FSDP2 can shard evenly over `world`
+    ranks (torchao's NF4 all-gather needs equal row chunks of whole scaler blocks), else None:
+    one process's sizes (`nf4_blocks`) where a rank's rows hold whole scaler blocks, else a
+    smaller scaler block that fits (beyond `NF4_RANKS` ranks on small layers: the scales' 8-bit
+    grouping, so the NF4 weights, then differ slightly from one process's)."""
+    blocks = nf4_blocks(shape.numel())
+    if blocks is None or shape[0] % world:
+        return None
+    per_rank = shape.numel() // blocks[0] // world
+    sizes = (blocks[1], *(s for s in SCALER_BLOCKS if s < blocks[1]))
+    scaler = next((s for s in sizes if per_rank % s == 0), None)
+    return None if scaler is None else (blocks[0], scaler)
+
+
+def nf4_before_sharding(model: nn.Module, world: int) -> int:
+    """Hold each frozen Linear weight FSDP2 can shard as NF4 (`nf4_shardable`) as an NF4 tensor
+    on the meta device (in the dtype the base is held in), before `fully_shard`, so FSDP2 shards
+    it with torchao's all-gather; the count of weights made NF4."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    import_torchao()
+    count = 0
+    for module in quantized_weights(model).values():
+        weight = module.weight
+        blocks = nf4_shardable(weight.shape, world)
+        if isinstance(module, nn.Linear) and weight.is_meta and blocks is not None:
+            dtype = weight.dtype
+            nf4 = to_nf4(torch.empty(weight.shape, dtype=dtype, device="meta"), *blocks)
+            # Its two constants held real (to_empty allocates only the sharded parts): the
+            # memory plan's fake step all-gathers them; a load replaces the whole tensor.
+            levels = to_nf4(torch.zeros(NF4_BLOCK * 8, dtype=dtype), NF4_BLOCK, 8).nf4
+            nf4.scaler_mean, nf4.nf4 = torch.zeros((), dtype=dtype), levels
+            module.weight = nn.Parameter(nf4, requires_grad=False)
+            count += 1
+    return count
+
+
+def sharded_nf4_load(model: nn.Module, dtype: torch.dtype, device: torch.device) -> QuantizingLoad:
+    """Logical weight key -> what fills this rank's NF4 shard (after `fully_shard` and
+    `to_empty`) from its file slice: the weight gathered whole from the ranks' slices (one
+    weight's transient copy), quantized as one rank quantizes it, this rank's rows kept."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from splitstage.tasks.stage2.parallelize import logical_name
+
+    def loader(module: nn.Module) -> Callable[[torch.Tensor], None]:
+        def install(source: torch.Tensor) -> None:
+            weight = module.weight  # the sharded DTensor FSDP2 registered (to_empty replaced it)
+            mesh, local = weight.device_mesh, weight.to_local()
+            part = source.to(device=device, dtype=dtype, copy=True)
+            full = DTensor.from_local(
+                part,
+                mesh,
+                weight.placements,
+                run_check=False,
+                shape=weight.shape,
+                stride=weight.stride(),
+            ).full_tensor()
+            nf4 = to_nf4(full, local.block_size, local.scaler_block_size)
+            mine = torch.chunk(nf4, mesh.size())[mesh.get_local_rank()]
+            shard = DTensor.from_local(
+                mine,
+                mesh,
+                weight.placements,
+                run_check=False,
+                shape=weight.shape,
+                stride=weight.stride(),
+            )
+            # assign: FSDP2's load hook re-registers the shard (its mean of scales included)
+            module.load_state_dict({"weight": shard}, strict=False, assign=True)
+
+        return install
+
+    load = QuantizingLoad(loaders={})
+    for fqn, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, DTensor) and quantized_kind(weight) == "nf4":
+            load.loaders[logical_name(f"{fqn}.weight")] = loader(module)
+    return load
+
+
 def nf4_blocks(numel: int) -> tuple[int, int] | None:
     """(block, scaler block) sizes that divide a weight of `numel` elements for NF4: QLoRA's 64
-    and 256 where they divide, smaller powers of two for small layers; None: leave unquantized."""
+    and 256 where they divide, smaller powers of two for small layers; the scaler block also
+    splits evenly over up to `NF4_RANKS` FSDP ranks where it can, so a base quantizes the same
+    on one process as sharded (`nf4_shardable`). None: leave unquantized."""
     block = next((b for b in (NF4_BLOCK, 32, 16) if numel % b == 0), None)
     if block is None:
         return None
     blocks = numel // block
-    scaler = next((s for s in (NF4_SCALER_BLOCK, 128, 64, 32, 16, 8) if blocks % s == 0), None)
-    return None if scaler is None else (block, scaler)
+    for ranks in (r for r in (NF4_RANKS, 4, 2, 1) if blocks % r == 0):
+        scaler = next((s for s in SCALER_BLOCKS if blocks // ranks % s == 0), None)
+        if scaler is not None:
+            return block, scaler
+    return None
 
 
 def quantize_tensor(weight: torch.Tensor, kind: str) -> torch.Tensor | None:
@@ -220,11 +320,15 @@ def frozen_nbytes(model: nn.Module) -> int:
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
-    """Whether a parameter is held as one of torchao's quantized tensors."""
+    """Whether a parameter is held as one of torchao's quantized tensors (an FSDP2 shard too)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     return type(tensor).__module__.startswith("torchao.")
 
 
 def quantized_kind(tensor: torch.Tensor) -> str:
-    """The `base_quantization` name of a quantized tensor, from its class."""
+    """The `base_quantization` name of a quantized tensor (or its FSDP2 shard), from its class."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     name = type(tensor).__name__
     return {"Int8Tensor": "int8", "Float8Tensor": "fp8", "NF4Tensor": "nf4"}.get(name, name)
