@@ -129,25 +129,21 @@ def sharded_nf4_load(model: nn.Module, dtype: torch.dtype, device: torch.device)
         def install(source: torch.Tensor) -> None:
             weight = module.weight  # the sharded DTensor FSDP2 registered (to_empty replaced it)
             mesh, local = weight.device_mesh, weight.to_local()
+
+            def sharded_like_weight(part: torch.Tensor) -> DTensor:
+                return DTensor.from_local(
+                    part,
+                    mesh,
+                    weight.placements,
+                    run_check=False,
+                    shape=weight.shape,
+                    stride=weight.stride(),
+                )
+
             part = source.to(device=device, dtype=dtype, copy=True)
-            full = DTensor.from_local(
-                part,
-                mesh,
-                weight.placements,
-                run_check=False,
-                shape=weight.shape,
-                stride=weight.stride(),
-            ).full_tensor()
+            full = sharded_like_weight(part).full_tensor()
             nf4 = to_nf4(full, local.block_size, local.scaler_block_size)
-            mine = torch.chunk(nf4, mesh.size())[mesh.get_local_rank()]
-            shard = DTensor.from_local(
-                mine,
-                mesh,
-                weight.placements,
-                run_check=False,
-                shape=weight.shape,
-                stride=weight.stride(),
-            )
+            shard = sharded_like_weight(torch.chunk(nf4, mesh.size())[mesh.get_local_rank()])
             # assign: FSDP2's load hook re-registers the shard (its mean of scales included)
             module.load_state_dict({"weight": shard}, strict=False, assign=True)
 
