@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -354,3 +355,33 @@ def edit_pipeline_areas(monkeypatch, reference_area: int, condition_area: int) -
             "calculate_dimensions",
             lambda area, ratio, original=original: original(areas.get(area, area), ratio),
         )
+
+
+def cached_prompt_lengths(plan) -> tuple[Any, list[str], dict[str, int]]:
+    """(the cache's dataset, its keys, each key's prompt token count) of a job stage 1 cached,
+    checking every sample's prompt and empty prompt were kept at their own length (no padding)."""
+    from splitstage.tasks.cache.reader import CacheDataset
+    from splitstage.tasks.job_plan import open_cache
+
+    store = open_cache(plan)
+    dataset = CacheDataset(store)
+    keys = dataset.keys.to_list()
+    lengths = {}
+    for key, one in store.read_samples(keys).items():
+        for name in ("prompt_embeds", "empty_prompt_embeds"):
+            mask = one[f"{name}_mask"]
+            assert len(one[name]) == len(mask) and mask.all(), name  # no padding kept
+        lengths[key] = len(one["prompt_embeds"])
+    return dataset, keys, lengths
+
+
+def padded_to(plan, batch: dict[str, Any], length: int) -> dict[str, Any]:
+    """`batch` with the family's sequence params and masks zero-padded to `length` tokens (as
+    stage 1 cached prompts before they were kept at their own length)."""
+    params = plan.family.sequence_params
+    padded = dict(batch)
+    for name in (*params, *params.values()):
+        value = batch[name]
+        tail = value.new_zeros(value.shape[0], length - value.shape[1], *value.shape[2:])
+        padded[name] = torch.cat([value, tail], dim=1)
+    return padded

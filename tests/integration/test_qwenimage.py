@@ -28,9 +28,11 @@ from tests.helpers.diffusers_families import (
     assert_the_encoders_are_cached,
     assert_the_sampler_matches,
     assert_two_ranks_give_the_one_rank_losses,
+    cached_prompt_lengths,
     digits_and_folder,
     drawn_step,
     lora_job,
+    padded_to,
     split_run_of,
     tiny_pipeline,
     validate_refusal,
@@ -215,12 +217,6 @@ def test_split_training_through_torchrun_exports_a_lora_the_pipeline_loads(root,
     assert_split_equals_unsplit_and_exports(job, root, split_run, PROMPTS, load, outputs)
 
 
-def family_sequences(plan) -> list[str]:
-    """The family's sequence params and their masks."""
-    params = plan.family.sequence_params
-    return [*params, *params.values()]
-
-
 def test_stage_1_caches_each_prompt_at_its_own_length_and_batches_pad_them(root, tmp_path):
     """Each sample's prompt embeddings (and the empty prompt's) are cached at their own token
     count, not max_prompt_length; samples of any prompt length batch together, padded to the
@@ -229,8 +225,6 @@ def test_stage_1_caches_each_prompt_at_its_own_length_and_batches_pad_them(root,
     import csv
     import shutil
 
-    from splitstage.tasks.cache.reader import CacheDataset
-    from splitstage.tasks.job_plan import open_cache
     from splitstage.tasks.stage1.preprocess import preprocess
 
     data = shutil.copytree(root / "data", tmp_path / "data")
@@ -252,15 +246,7 @@ def test_stage_1_caches_each_prompt_at_its_own_length_and_batches_pad_them(root,
     )  # fmt: skip
     assert preprocess(config, workers=1, progress=False).computed == 4
     plan = make_plan(config)
-    store = open_cache(plan)
-    dataset = CacheDataset(store)
-    keys = dataset.keys.to_list()
-    lengths = {}
-    for key, one in store.read_samples(keys).items():
-        for name in ("prompt_embeds", "empty_prompt_embeds"):
-            mask = one[f"{name}_mask"]
-            assert len(one[name]) == len(mask) and mask.all(), name  # no padding kept
-        lengths[key] = len(one["prompt_embeds"])
+    dataset, keys, lengths = cached_prompt_lengths(plan)
     assert max(lengths.values()) < LENGTH and len(set(lengths.values())) == 4
     assert set(dataset.groups.tolist()) == {0}  # one shape group: they batch together
 
@@ -268,11 +254,7 @@ def test_stage_1_caches_each_prompt_at_its_own_length_and_batches_pad_them(root,
     batch = next(dataset.iterate_keys([[shorter, longer]], prefetch=0))
     assert batch["prompt_embeds"].shape[1] == lengths[longer]
     assert batch["prompt_embeds_mask"].sum(dim=1).tolist() == [lengths[shorter], lengths[longer]]
-    padded = dict(batch)  # as stage 1 cached them before: every prompt at max_prompt_length
-    for name in family_sequences(plan):
-        value = batch[name]
-        tail = value.new_zeros(2, LENGTH - value.shape[1], *value.shape[2:])
-        padded[name] = torch.cat([value, tail], dim=1)
+    padded = padded_to(plan, batch, LENGTH)  # as stage 1 cached them before
     family = plan.family
     model = family.build_model("transformer", CPU)
     predictions = []

@@ -267,21 +267,12 @@ def test_prompts_are_cached_at_their_own_length_and_padded_per_batch(root):
     prompt at their own token count, not max_prompt_length; rows batch by their references'
     shape alone, padded to the batch's longest prompt; the transformer predicts for such a
     batch what it predicts for the same batch padded to max_prompt_length."""
-    from splitstage.tasks.cache.reader import CacheDataset
-    from splitstage.tasks.job_plan import open_cache
+    from tests.helpers.diffusers_families import cached_prompt_lengths, padded_to
 
     config = job(root, "edit-own-length", dropout=0.0)
     assert preprocess(config, workers=1, progress=False).computed == 8
     plan = make_plan(config)
-    store = open_cache(plan)
-    dataset = CacheDataset(store)
-    keys = dataset.keys.to_list()
-    lengths = {}
-    for key, one in store.read_samples(keys).items():
-        for name in ("prompt_embeds", "empty_prompt_embeds"):
-            mask = one[f"{name}_mask"]
-            assert len(one[name]) == len(mask) and mask.all(), name  # no padding kept
-        lengths[key] = len(one["prompt_embeds"])
+    dataset, keys, lengths = cached_prompt_lengths(plan)
     assert max(lengths.values()) < 96 and len(set(lengths.values())) > 2
     groups = dict(zip(keys, dataset.groups.tolist(), strict=True))
     assert sorted(groups.values()).count(0) == 4 and len(set(groups.values())) == 2
@@ -292,12 +283,7 @@ def test_prompts_are_cached_at_their_own_length_and_padded_per_batch(root):
     batch = next(dataset.iterate_keys([pair], prefetch=0))
     assert batch["prompt_embeds_mask"].sum(dim=1).tolist() == [lengths[k] for k in pair]
     assert batch["prompt_embeds"].shape[1] == lengths[pair[1]]
-    padded = dict(batch)  # as stage 1 cached them before: every prompt at max_prompt_length
-    params = plan.family.sequence_params
-    for name in (*params, *params.values()):
-        value = batch[name]
-        tail = value.new_zeros(2, 96 - value.shape[1], *value.shape[2:])
-        padded[name] = torch.cat([value, tail], dim=1)
+    padded = padded_to(plan, batch, 96)  # as stage 1 cached them before
     family = plan.family
     model = family.build_model("transformer", ONE_CPU.device)
     predictions = []
